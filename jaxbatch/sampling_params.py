@@ -1,0 +1,77 @@
+"""SamplingParams, named and validated as in vLLM. Pure Python."""
+from __future__ import annotations
+
+import dataclasses
+
+# Top-k log-probabilities are computed on device for a fixed k; requests may ask for fewer.
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self):
+        def fail(field, why):
+            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "must be 0 or -1 (off) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(field, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,207 @@
+"""Iteration-level scheduler. Pure Python, no JAX.
+
+Every step: (1) admit waiting sequences into free slots (continuous: any step; static: only when
+the whole previous group has finished), (2) give every decoding sequence its one token,
+(3) spend what is left of the token budget on prefill chunks. Blocks are allocated as sequences
+grow; when they run out the policy's worst running sequence is preempted (its blocks freed,
+its tokens recomputed later). `update` appends the sampled tokens and applies token-level stops;
+stop strings need the tokenizer and are the engine's job (it calls `finish`).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+from jaxbatch.block_manager import BlockManager
+from jaxbatch.config import SchedulerConfig
+from jaxbatch.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan, StepResult
+from jaxbatch.policies import policy_key
+from jaxbatch.request import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(config.max_num_seqs))
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _key(self, seq: Sequence):
+        c = self.config
+        return policy_key(c.scheduling_policy, seq, self.step_count, c.aging_tokens_per_step)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        if seq.slot is not None:
+            bisect.insort(self.free_slots, seq.slot)
+            seq.slot = None
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
+        self._release(seq)
+        seq.status = status
+        seq.stop_reason = stop_reason
+        seq.finished_time = time.monotonic()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style: drop the KV, keep the tokens; the sequence queues again."""
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    # ---- planning ------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.config.batching == "static" and self.running:
+            return
+        # Blocks the running sequences still need for what they hold plus one new token: an
+        # admission may not eat into them, or it would only cause a preemption next step.
+        outstanding = sum(self.blocks.num_missing_blocks(s.seq_id, s.num_tokens + 1)
+                          for s in self.running)
+        now = time.monotonic()
+        for seq in sorted(self.waiting, key=self._key):
+            if not self.free_slots:
+                break
+            need = self.blocks.num_missing_blocks(seq.seq_id, seq.num_tokens + 1)
+            if outstanding + need > self.blocks.num_free_blocks:
+                break  # do not let a later, smaller request overtake the policy's order
+            outstanding += need
+            self.waiting.remove(seq)
+            seq.slot = self.free_slots.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Blocks for `num_tokens` tokens of `seq`, preempting the worst unscheduled running
+        sequences as needed. False if `seq` itself had to go."""
+        while not self.blocks.can_hold(seq.seq_id, num_tokens):
+            candidates = [s for s in self.running if s.seq_id not in scheduled]
+            victim = max(candidates, key=self._key)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.ensure_capacity(seq.seq_id, num_tokens)
+        return True
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        banned: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        return SamplingRow(
+            seq_id=seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            min_p=p.min_p, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+            seed=seq.seed, position=seq.num_tokens, num_prompt_tokens=seq.num_prompt_tokens,
+            history=seq.prompt_token_ids + seq.output_token_ids if _uses_penalties(p) else [],
+            banned_token_ids=banned, logprobs=p.logprobs)
+
+    def schedule(self) -> StepPlan:
+        self.step_count += 1
+        self._admit()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        decodes: list[DecodeEntry] = []
+        prefills: list[PrefillChunk] = []
+        sampling: dict[int, SamplingRow] = {}
+        order = sorted(self.running, key=self._key)
+
+        # Decodes first: one long prompt must never stall everyone's next token.
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if not self._reserve(seq, seq.num_tokens, scheduled):
+                continue
+            position = seq.num_tokens - 1
+            decodes.append(DecodeEntry(seq.seq_id, seq.slot, seq.token_at(position), position,
+                                       list(self.blocks.block_table(seq.seq_id))))
+            sampling[seq.seq_id] = self._sampling_row(seq)
+            scheduled.add(seq.seq_id)
+            budget -= 1
+
+        # Chunk boundaries depend only on the sequence (never on what else is running), so a
+        # request computes the same shapes, and the same numbers, alone or in a crowd.
+        for seq in order:
+            if (seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled
+                    or seq.num_uncomputed_tokens <= 1):
+                continue
+            chunk = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_size)
+            if chunk > budget:
+                continue
+            start = seq.num_computed_tokens
+            if not self._reserve(seq, start + chunk, scheduled):
+                continue
+            samples = start + chunk == seq.num_tokens
+            wants_prompt_lp = seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
+            prefills.append(PrefillChunk(
+                seq.seq_id, seq.tokens(start, start + chunk), start,
+                list(self.blocks.block_table(seq.seq_id)), samples,
+                seq.params.prompt_logprobs if wants_prompt_lp else None))
+            if samples:
+                sampling[seq.seq_id] = self._sampling_row(seq)
+            scheduled.add(seq.seq_id)
+            budget -= chunk
+        return StepPlan(self.step_count, prefills, decodes, sampling)
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
+        """Applies a step's results; returns the sequences that got a new token."""
+        now = time.monotonic()
+        for chunk in plan.prefills:
+            seq = seqs[chunk.seq_id]
+            seq.num_computed_tokens += len(chunk.token_ids)
+            for position, logprobs in result.prompt_logprobs.get(chunk.seq_id, ()):
+                if position < seq.num_prompt_tokens:
+                    seq.prompt_logprobs[position] = logprobs
+        for entry in plan.decodes:
+            seqs[entry.seq_id].num_computed_tokens += 1
+        advanced = []
+        for seq_id, sampled in result.sampled.items():
+            seq = seqs[seq_id]
+            seq.output_token_ids.append(sampled.token_id)
+            if seq.params.logprobs is not None:
+                top = dict(list((sampled.top_logprobs or {}).items())[: seq.params.logprobs])
+                top[sampled.token_id] = sampled.logprob
+                seq.output_logprobs.append(top)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            self._apply_token_stops(seq)
+            advanced.append(seq)
+        return advanced
+
+    def _apply_token_stops(self, seq: Sequence) -> None:
+        p = seq.params
+        token = seq.output_token_ids[-1]
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return self.finish(seq, SequenceStatus.FINISHED_STOPPED, None)
+            if token in p.stop_token_ids:
+                return self.finish(seq, SequenceStatus.FINISHED_STOPPED, token)
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        if seq.num_tokens >= self.config.max_model_len:
+            return self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+
+def _uses_penalties(p) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0

@@ -1,0 +1,128 @@
+"""Plain-jnp paged attention: the oracle for every Pallas kernel and the CPU path of the engine.
+
+Shared layout (the same as JAX's shipped `pallas.ops.gpu.paged_attention`):
+
+    k_pages, v_pages : [num_kv_heads, num_blocks, block_size, head_dim]   one layer of the pool
+    block 0          : the null block; unused block-table entries and padded tokens point at it
+
+Masked positions may hold anything (NaN included): every masked score *and* value is replaced
+before it meets arithmetic, because 0 * NaN is NaN.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):
+    """Scatters one step's keys/values into the pool.
+
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: [T] int32 = block * block_size + offset.
+    Padded tokens carry a slot inside block 0, where writes are harmless.
+    """
+    block_size = k_pages.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Advanced indices (blocks, offsets) are adjacent, so the indexed view is [KVH, T, D].
+    k_pages = k_pages.at[:, blocks, offsets].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype))
+    v_pages = v_pages.at[:, blocks, offsets].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def _soft_cap(scores, soft_cap):
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def _masked_softmax_weighted_sum(scores, values, mask, out_dtype):
+    """scores: [..., T]; values broadcastable to [..., T, D]; mask: like scores. Rows with no
+    valid key give zeros."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    return probs, jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+
+
+def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                               soft_cap=None):
+    """One query token per sequence attending to its first `lengths[b]` cached tokens.
+
+    q: [B, H, D]; block_tables: [B, P] int32; lengths: [B] int32 (0 = empty slot -> zeros).
+    Returns [B, H, D] in q's dtype. Only the P pages named by the block table are read.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    context = pages_per_seq * block_size
+
+    k = k_pages[:, block_tables].reshape(num_kv_heads, batch, context, head_dim)
+    v = v_pages[:, block_tables].reshape(num_kv_heads, batch, context, head_dim)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
+    mask = jnp.arange(context)[None, :] < lengths[:, None]                    # [B, ctx]
+    v = jnp.where(mask[None, :, :, None], v.astype(jnp.float32), 0.0)
+
+    scores = jnp.einsum("bkgd,kbtd->bkgt", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
+    scores = _soft_cap(scores, soft_cap)
+    probs, denom = _masked_softmax_weighted_sum(scores, v, mask[:, None, None, :], q.dtype)
+    out = jnp.einsum("bkgt,kbtd->bkgd", probs, v, precision=_HIGHEST) / denom
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens):
+    """For each of `num_tokens` packed query tokens: its sequence, absolute position, validity.
+
+    Sequence i owns tokens cu_q_lens[i]:cu_q_lens[i+1]; its last query token sits at position
+    kv_lens[i] - 1 (the chunk's KV is already in the pool).
+    """
+    num_seqs = jnp.asarray(num_seqs).reshape(())
+    max_seqs = kv_lens.shape[0]
+    token = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(cu_q_lens[1:], token, side="right")
+    valid = (token < cu_q_lens[num_seqs]) & (seq < num_seqs)
+    seq = jnp.clip(seq, 0, max_seqs - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    position = kv_lens[seq] - q_len + (token - cu_q_lens[seq])
+    return seq, position, valid
+
+
+def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, scale=None, soft_cap=None):
+    """Packed queries of several sequences (prefill chunks and decode tokens mixed), causal
+    within each sequence, over each sequence's pages.
+
+    q: [T, H, D] (T padded to a bucket); kv_lens: [S]; page_indices: [S, P]; cu_q_lens: [S + 1];
+    num_seqs: scalar or [1]. Tokens past cu_q_lens[num_seqs] are padding and give zeros.
+    Cost is T x S x P x block_size scores: fine as an oracle and for one long chunk (S = 1).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    max_seqs, pages_per_seq = page_indices.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    context = pages_per_seq * block_size
+
+    seq, position, valid = ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    # Keys of all sequences side by side: [KVH, S * ctx, D].
+    k = k_pages[:, page_indices.reshape(-1)].reshape(num_kv_heads, max_seqs * context, head_dim)
+    v = v_pages[:, page_indices.reshape(-1)].reshape(num_kv_heads, max_seqs * context, head_dim)
+    key_seq = jnp.repeat(jnp.arange(max_seqs), context)
+    key_pos = jnp.tile(jnp.arange(context), max_seqs)
+    # Sequences past num_seqs are padding: their pages may hold anything (NaN included).
+    key_valid = (key_pos < kv_lens[key_seq]) & (key_seq < jnp.asarray(num_seqs).reshape(()))
+    mask = ((key_seq[None, :] == seq[:, None]) & (key_pos[None, :] <= position[:, None])
+            & key_valid[None, :] & valid[:, None])                             # [T, S*ctx]
+    v = jnp.where(key_valid[None, :, None], v.astype(jnp.float32), 0.0)
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("tkgd,ksd->tkgs", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
+    scores = _soft_cap(scores, soft_cap)
+    probs, denom = _masked_softmax_weighted_sum(scores, v, mask[:, None, None, :], q.dtype)
+    out = jnp.einsum("tkgs,ksd->tkgd", probs, v, precision=_HIGHEST) / denom
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
