@@ -38,9 +38,15 @@ class SchedulerConfig:
             fail("max_model_len", "must be >= 2")
         if self.prefill_chunk_size < 1 or self.prefill_chunk_size & (self.prefill_chunk_size - 1):
             fail("prefill_chunk_size", "must be a power of two")
-        if self.max_num_batched_tokens < self.max_num_seqs + 1:
-            fail("max_num_batched_tokens", f"must be > max_num_seqs={self.max_num_seqs} so a "
-                 "step can hold every decode token and some prefill")
+        # A prefilling sequence holds a slot itself, so at most max_num_seqs - 1 others decode
+        # beside it: this much budget guarantees every prompt its next chunk.
+        if self.max_num_batched_tokens < self.max_num_seqs - 1 + self.prefill_chunk_size:
+            fail("max_num_batched_tokens", f"must be >= max_num_seqs - 1 + prefill_chunk_size = "
+                 f"{self.max_num_seqs - 1} + {self.prefill_chunk_size}, so a full decode batch "
+                 "never starves a prompt of its next chunk")
+        if self.num_blocks - 1 < self.max_pages_per_seq:
+            fail("num_blocks", f"must hold one sequence of max_model_len={self.max_model_len} "
+                 f"tokens: {self.max_pages_per_seq} blocks of {self.block_size} plus the null block")
         if self.scheduling_policy not in POLICIES:
             fail("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.batching not in BATCHING_MODES:

@@ -70,6 +70,7 @@ class LLMEngine:
             chunk = prefill_chunk_size or DEFAULT_PREFILL_CHUNK
             max_num_batched_tokens = max_num_seqs + chunk
         elif prefill_chunk_size is None:
+            # The largest power of two that fits beside a full decode batch.
             room = max(1, max_num_batched_tokens - max_num_seqs)
             chunk = min(DEFAULT_PREFILL_CHUNK, 1 << (room.bit_length() - 1))
         else:

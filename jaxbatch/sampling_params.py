@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # Top-k log-probabilities are computed on device for a fixed k; requests may ask for fewer.
 MAX_LOGPROBS = 20
@@ -41,6 +42,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(field, "must be a finite number")
         if self.temperature < 0:
             fail("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

