@@ -54,8 +54,12 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool | None = None,
-                 loaded: LoadedModel | None = None):
+                 loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
+        """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
+        steps and KV pool (same model and shapes; the two engines must not run interleaved),
+        which is how static and continuous batching are compared on identical executables."""
         loaded = loaded or load_model(model, dtype)
+        self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
@@ -87,7 +91,14 @@ class LLMEngine:
             eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos)
-        self.runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+        if runner is None:
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+        elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
+              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
+                max_num_seqs, num_blocks, block_size, max_model_len, chunk):
+            raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
+                             "max_model_len and prefill chunk size as this engine")
+        self.runner = runner
         self._rng = random.Random(seed)
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[int, Sequence] = {}

@@ -15,6 +15,13 @@ class LLM:
         self.llm_engine = LLMEngine(model, **engine_kwargs)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
