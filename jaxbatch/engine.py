@@ -143,6 +143,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validates everything before touching any state, so a rejected request changes nothing."""
+        text, ids, params = self.validate_request(request_id, prompt, params, priority)
+        request_id = str(request_id)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self._create_sequences(request_id, text, ids, params, priority, now)
+
+    def validate_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                         priority: int = 0) -> tuple[str | None, list[int], SamplingParams]:
+        """Raises ValueError naming what is wrong; returns (prompt text, token ids, params).
+        Changes nothing, so a caller can check a whole batch before adding any of it."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -175,8 +184,9 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer")
+        return text, ids, params
 
-        now = time.monotonic() if arrival_time is None else arrival_time
+    def _create_sequences(self, request_id, text, ids, params, priority, now) -> None:
         seqs = []
         for i in range(params.n):
             if params.seed is None:

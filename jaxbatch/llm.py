@@ -54,16 +54,12 @@ class LLM:
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        ids = []
-        try:
-            for prompt, params, prio in requests:
-                rid = str(next(self._ids))
-                engine.add_request(rid, prompt, params, priority=prio)
-                ids.append(rid)
-        except ValueError:
-            engine.abort_request(ids)   # all or nothing: do not leave half a batch running
-            engine.step()               # drain the abort outputs
-            raise
+        # All or nothing: check the whole batch before adding any of it.
+        ids = [str(next(self._ids)) for _ in requests]
+        for rid, (prompt, params, prio) in zip(ids, requests):
+            engine.validate_request(rid, prompt, params, prio)
+        for rid, (prompt, params, prio) in zip(ids, requests):
+            engine.add_request(rid, prompt, params, priority=prio)
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts") as bar:

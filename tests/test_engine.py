@@ -260,3 +260,10 @@ def test_pallas_interpret_backend_gives_the_same_greedy_tokens(embedded, llm):
     want = llm.generate(prompts, params, use_tqdm=False)
     assert pallas.llm_engine.stats()["attention_backend"] == "pallas_interpret"
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_generate_is_all_or_nothing(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.step() == []
