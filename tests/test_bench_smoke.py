@@ -1,0 +1,139 @@
+"""Smoke test of the benchmark suite on a tiny random model (no HF engines, no embedded model):
+the metrics are computed and sane, continuous batching beats static on the mixed workload, no
+compilation happens after warm-up, and the --dry-run paths of bench.py and gpu_e2e run."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module          # dataclasses look their module up while defining
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def test_ideal_ratio_by_hand():
+    # Static: max(4, 1) + max(1, 1) = 5 steps. Continuous: the 4-step request holds one slot
+    # while the three 1-step requests pass through the other: 4 steps.
+    ideal = bench.ideal_ratio([4, 1, 1, 1], slots=2)
+    assert ideal["static_steps"] == 5
+    assert ideal["continuous_steps"] == 4
+    assert ideal["continuous_steps_lower_bound"] == 4
+    assert ideal["ideal_ratio"] == pytest.approx(1.25)
+
+
+def test_summarize_by_hand():
+    traces = [bench.Trace("a", "short", 10, 3, 0.0, [1.0, 1.5, 2.5]),
+              bench.Trace("b", "long", 20, 1, 1.0, [3.0])]
+    s = bench.summarize(bench.RunResult("x", 0.0, traces))
+    assert s["completed"] == 2 and s["output_tokens"] == 4 and s["input_tokens"] == 30
+    assert s["duration_s"] == pytest.approx(3.0)
+    assert s["output_tokens_per_s"] == pytest.approx(4 / 3)
+    assert s["ttft"]["mean_ms"] == pytest.approx(1500.0)         # (1.0 + 2.0) / 2
+    assert s["tpot"]["mean_ms"] == pytest.approx(750.0)          # (2.5 - 1.0) / 2, only "a"
+    assert s["itl"]["median_ms"] == pytest.approx(750.0)         # gaps 0.5 and 1.0
+    assert s["e2el"]["p99_ms"] == pytest.approx(2500.0, rel=0.01)
+
+
+def test_workloads_are_seeded_and_shaped():
+    entries = bench.load_prompts()
+    kinds = [e["kind"] for e in entries]
+    assert len(entries) >= 30 and {"short", "medium", "long"} <= set(kinds)
+    prompts = bench.synthetic_prompt_ids(entries, 512, seed=0)
+    a = bench.online_requests(prompts, kinds, 8, 2, 4.0, (8, 1.0, 2, 16), seed=3)
+    b = bench.online_requests(prompts, kinds, 8, 2, 4.0, (8, 1.0, 2, 16), seed=3)
+    assert [(r.prompt_ids, r.output_len, r.arrival) for r in a] == \
+           [(r.prompt_ids, r.output_len, r.arrival) for r in b]
+    assert sum(r.kind == "long" for r in a) == 2
+    assert all(x.arrival < y.arrival for x, y in zip(a, a[1:]))
+    assert all(2 <= r.output_len <= 16 for r in a)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """Engines of the same shapes (continuous and static, the dry runs' twins) compile the same
+    executables: a throwaway persistent cache lets the second one load them instead."""
+    import jax
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla")))
+    jax.config.update(keys[1], 0.0)
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from jaxbatch import gpu_e2e
+    return gpu_e2e.random_model("tiny", "float32", seed=0)
+
+
+def test_offline_and_online_on_tiny_model(tiny):
+    args = bench.parse_args(["--engines", "continuous", "static", "--max-num-seqs", "4",
+                             "--request-rate", "50", "--online-chunk", "16",
+                             "--warmup", "workload"])
+    entries = bench.load_prompts()
+    kinds = [e["kind"] for e in entries]
+    prompts = bench.synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0)
+    requests = bench.offline_requests(prompts, kinds, 10, (8, 1.0, 2, 24), seed=0,
+                                      max_prompt_len=24)
+    off = bench.bench_offline(args, tiny, None, requests)
+    cont, stat = off["summaries"]["continuous"], off["summaries"]["static"]
+    total = sum(r.output_len for r in requests)
+    for s in (cont, stat):
+        assert s["completed"] == 10 and s["output_tokens"] == total
+        assert 0 < s["ttft"]["median_ms"] <= s["e2el"]["median_ms"]
+        assert s["itl"]["mean_ms"] > 0 and 0 < s["mean_slot_occupancy"] <= 1
+        assert s["compilations_during_timed_run"] == 0 and s["compilations_before"] > 0
+    for run in off["runs"].values():
+        assert len(run.step_seconds) == len(run.steps) and min(run.step_seconds) > 0
+    assert cont["num_steps"] < stat["num_steps"]
+    assert cont["mean_slot_occupancy"] > stat["mean_slot_occupancy"]
+    assert off["ideal"]["ideal_ratio"] >= 1.0
+
+    online = bench.online_requests(prompts, kinds, 4, 1, 50.0, (4, 1.0, 2, 8), seed=0,
+                                   max_prompt_len=48)
+    on = bench.bench_online(args, tiny, online)
+    assert on["summaries"]["chunked"]["prefill_chunk_size"] == 16
+    assert on["summaries"]["unchunked"]["prefill_chunk_size"] >= 48
+    for s in on["summaries"].values():
+        assert s["completed"] == 5 and s["short_ttft"]["p99_ms"] > 0
+        assert s["compilations_during_timed_run"] == 0
+
+    report = {"args": vars(args), "offline": off, "online": on}
+    rows = {r["target"]: r for r in bench.targets(report)}
+    assert rows["compilations after warm-up"]["status"] == "met"
+    assert "continuous / static output tok/s" in rows
+
+
+def test_bench_gpu_dry_run(tmp_path):
+    report = bench.main(["--device", "gpu", "--dry-run", "--num-requests", "6",
+                         "--out", str(tmp_path), "--xla-cache", ""])
+    tiny = report["gpu"]["models"]["tiny"]
+    for s in tiny["summaries"].values():
+        assert s["compilations_during_timed_run"] == 0
+        assert s["mbu_median"] > 0 and s["decode_steps"] > 0
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["gpu"]["models"]["tiny"]["weight_bytes_read_per_step"] > 0
+
+
+def test_gpu_e2e_dry_run(tmp_path):
+    from jaxbatch import gpu_e2e
+    assert gpu_e2e.main(["--dry-run", "--out", str(tmp_path), "--slots", "2",
+                         "--new-tokens", "4", "--check-requests", "1"]) == 0
+    result = json.loads((tmp_path / "gpu_e2e.json").read_text())["models"][0]
+    assert result["check"]["equal"] and result["speed"]["compilations_timed"] == 0
+    assert result["speed"]["decode_tokens_per_s"] > 0
