@@ -37,9 +37,9 @@ def _soft_cap(scores, soft_cap):
     return soft_cap * jnp.tanh(scores / soft_cap)
 
 
-def _masked_softmax_weighted_sum(scores, values, mask, out_dtype):
-    """scores: [..., T]; values broadcastable to [..., T, D]; mask: like scores. Rows with no
-    valid key give zeros."""
+def _masked_softmax(scores, mask):
+    """scores, mask: [..., T] -> (unnormalised probs [..., T], denominator [..., 1]). Rows with
+    no valid key get all-zero probs and a tiny denominator, so they come out as zeros."""
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -70,7 +70,7 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, sc
 
     scores = jnp.einsum("bkgd,kbtd->bkgt", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     scores = _soft_cap(scores, soft_cap)
-    probs, denom = _masked_softmax_weighted_sum(scores, v, mask[:, None, None, :], q.dtype)
+    probs, denom = _masked_softmax(scores, mask[:, None, None, :])
     out = jnp.einsum("bkgt,kbtd->bkgd", probs, v, precision=_HIGHEST) / denom
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
@@ -123,6 +123,6 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("tkgd,ksd->tkgs", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     scores = _soft_cap(scores, soft_cap)
-    probs, denom = _masked_softmax_weighted_sum(scores, v, mask[:, None, None, :], q.dtype)
+    probs, denom = _masked_softmax(scores, mask[:, None, None, :])
     out = jnp.einsum("tkgs,ksd->tkgd", probs, v, precision=_HIGHEST) / denom
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
