@@ -1,14 +1,18 @@
 """Device side: a small fixed set of compiled step functions over the slot array and the paged
 KV pool, which is donated into every call and rebound to what comes back.
 
-Two kinds of call make up an engine step:
-  decode   [max_num_seqs] slots, one token each; block tables padded to a page bucket.
-  prefill  one chunk of one sequence, its token count and page count padded to buckets.
+An engine step makes at most two kinds of call:
+  decode   one token for each decoding sequence, rows padded to a power of two <= max_num_seqs.
+           Attention inputs are padded to a bucket: the total pages in use (xla work items) or
+           the longest block table (pallas, reference).
+  prefill  the step's prefill chunks packed into one call (more only when they overflow the
+           largest token bucket or MAX_CHUNKS_PER_CALL), tokens and pages padded to buckets.
 Buckets are powers of two, so the set of executables is small and known; each is compiled
 once (counted in `num_compilations`) and `warmup` compiles all of them up front.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -21,35 +25,50 @@ from jaxbatch.config import SchedulerConfig, next_power_of_two
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.rope import inverse_frequencies
-from jaxbatch.block_manager import NULL_BLOCK
-from jaxbatch.plan import (DecodeEntry, PrefillChunk, SampledToken, SamplingRow, StepPlan,
-                           StepResult, pad_block_table)
+from jaxbatch.plan import (PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult,
+                           pad_block_table)
+from pallas_kernels.xla_paged_attention import (MIN_DECODE_ITEMS, PREFILL_TILE, decode_work_items,
+                                                num_decode_items)
 
 MIN_PREFILL_BUCKET = 16
+MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
+MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 
 
-def _decode_step(params, pool, tokens, positions, slot_mapping, block_tables, lengths, samp, *,
-                 cfg, backend, inv_freq, use_penalties):
-    attend = attention.decode_attend(backend, block_tables, lengths, cfg.head_dim ** -0.5)
+def _decode_step(params, pool, tokens, positions, slot_mapping, attn_meta, samp, *, cfg, backend,
+                 inv_freq, use_penalties, with_top_logprobs):
+    attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq)                       # [B, d]
     logits = llama.compute_logits(params, hidden)                               # [B, V]
-    return sampler.sample(logits, samp, use_penalties), pool
+    return sampler.sample(logits, samp, use_penalties, with_top_logprobs), pool
 
 
-def _prefill_step(params, pool, tokens, positions, slot_mapping, page_indices, kv_lens, cu_q_lens,
-                  last_index, next_tokens, samp, *, cfg, backend, inv_freq, use_penalties,
+def _prefill_step(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index,
+                  next_tokens, samp, *, cfg, backend, inv_freq, use_penalties, with_top_logprobs,
                   with_prompt_logprobs):
-    attend = attention.ragged_attend(backend, kv_lens, page_indices, cu_q_lens, 1,
-                                     cfg.head_dim ** -0.5)
+    attend = attention.prefill_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq)                       # [C, d]
-    last = jax.lax.dynamic_slice_in_dim(hidden, last_index, 1)                  # [1, d]
-    sampled = sampler.sample(llama.compute_logits(params, last), samp, use_penalties)
+                                        attend, inv_freq)                       # [T, d]
+    last = hidden[sample_index]                                                 # [S, d]
+    sampled = sampler.sample(llama.compute_logits(params, last), samp, use_penalties,
+                             with_top_logprobs)
     prompt_lp = None
     if with_prompt_logprobs:
         prompt_lp = sampler.prompt_logprobs(llama.compute_logits(params, hidden), next_tokens)
     return sampled, prompt_lp, pool
+
+
+@dataclasses.dataclass
+class _Call:
+    """One compiled call's host inputs and how to read its outputs back."""
+    key: tuple
+    args: tuple
+    fn: object
+    chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
+    next_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    slot_rows: list[SamplingRow | None] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -59,6 +78,7 @@ class ModelRunner:
         self.cfg = sched_cfg
         self.params = params
         self.backend = attention.resolve_backend(attention_backend)
+        self.work_lists = attention.uses_work_lists(self.backend)
         self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         self._executables: dict[tuple, object] = {}
@@ -69,11 +89,35 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return len(self._executables)
 
+    @property
+    def max_page_bucket(self) -> int:
+        return next_power_of_two(self.cfg.max_pages_per_seq)
+
     def page_bucket(self, num_pages: int) -> int:
-        return min(next_power_of_two(max(1, num_pages)), next_power_of_two(self.cfg.max_pages_per_seq))
+        return min(next_power_of_two(max(1, num_pages)), self.max_page_bucket)
+
+    @property
+    def max_decode_items(self) -> int:
+        return max(MIN_DECODE_ITEMS, next_power_of_two(self.cfg.max_num_seqs * self.cfg.max_pages_per_seq))
+
+    def decode_item_bucket(self, num_items: int) -> int:
+        return min(max(MIN_DECODE_ITEMS, next_power_of_two(num_items)), self.max_decode_items)
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Largest packed prefill call: what the token budget allows, kept to a size whose
+        attention scores fit comfortably, but never below one whole chunk."""
+        budget_pow2 = 1 << (self.cfg.max_num_batched_tokens.bit_length() - 1)
+        return max(MIN_PREFILL_BUCKET, self.cfg.prefill_chunk_size,
+                   min(budget_pow2, MAX_PREFILL_BUCKET))
 
     def prefill_bucket(self, num_tokens: int) -> int:
-        return min(max(MIN_PREFILL_BUCKET, next_power_of_two(num_tokens)), self.cfg.prefill_chunk_size)
+        return min(max(MIN_PREFILL_BUCKET, next_power_of_two(num_tokens)), self.max_prefill_tokens)
+
+    def prefill_page_bucket(self, tokens_bucket: int, num_pages: int) -> int:
+        """At least the pages the call's tokens would span: a few more keys for calls packing
+        short prompts, and half as many (tokens, pages) executables to compile."""
+        return self.page_bucket(max(num_pages, tokens_bucket // self.cfg.block_size))
 
     def _compiled(self, key: tuple, fn, args):
         exe = self._executables.get(key)
@@ -85,133 +129,215 @@ class ModelRunner:
         return exe
 
     # ---- decode --------------------------------------------------------------------------
-    def _decode_inputs(self, plan: StepPlan):
-        b, bs = self.cfg.max_num_seqs, self.cfg.block_size
-        pages = self.page_bucket(max(len(d.block_table) for d in plan.decodes))
+    def decode_row_bucket(self, num_decodes: int) -> int:
+        return min(next_power_of_two(num_decodes), next_power_of_two(self.cfg.max_num_seqs))
+
+    def _decode_call(self, plan: StepPlan) -> _Call:
+        """Decoding sequences take rows 0..n-1 in slot order, padded to a power of two: on a
+        CPU a matmul costs in proportion to its rows, so a half-empty slot array should not
+        pay for the empty half. Padding rows write into the null block."""
+        bs = self.cfg.block_size
+        b = self.decode_row_bucket(len(plan.decodes))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
-        slot_mapping = np.zeros(b, np.int32)        # empty slots write into the null block
-        block_tables = np.zeros((b, pages), np.int32)
-        lengths = np.zeros(b, np.int32)             # 0 = empty slot
-        rows = [None] * b
-        for d in plan.decodes:
-            tokens[d.slot] = d.token_id
-            positions[d.slot] = d.position
-            slot_mapping[d.slot] = d.block_table[d.position // bs] * bs + d.position % bs
-            block_tables[d.slot] = pad_block_table(d.block_table, pages)
-            lengths[d.slot] = d.position + 1
-            rows[d.slot] = plan.sampling[d.seq_id]
-        return (tokens, positions, slot_mapping, block_tables, lengths), rows
+        slot_mapping = np.zeros(b, np.int32)
+        lengths = np.zeros(b, np.int32)             # 0 = padding row
+        rows: list[SamplingRow | None] = [None] * b
+        for i, d in enumerate(plan.decodes):
+            tokens[i] = d.token_id
+            positions[i] = d.position
+            slot_mapping[i] = d.block_table[d.position // bs] * bs + d.position % bs
+            lengths[i] = d.position + 1
+            rows[i] = plan.sampling[d.seq_id]
+        if self.work_lists:
+            items = self.decode_item_bucket(num_decode_items(lengths, bs))
+            meta = decode_work_items([(i, d.block_table, d.position + 1)
+                                      for i, d in enumerate(plan.decodes)], b, bs, items) + (lengths,)
+        else:
+            pages = self.page_bucket(max(len(d.block_table) for d in plan.decodes))
+            tables = np.zeros((b, pages), np.int32)
+            for i, d in enumerate(plan.decodes):
+                tables[i] = pad_block_table(d.block_table, pages)
+            meta = (tables, lengths)
+        return self._finish_decode_call((tokens, positions, slot_mapping, meta), rows)
 
-    def _run_decode(self, plan: StepPlan):
-        inputs, rows = self._decode_inputs(plan)
+    def _finish_decode_call(self, inputs, rows) -> _Call:
         use_penalties = any(r is not None and r.history for r in rows)
+        with_top = any(r is not None and r.logprobs for r in rows)
         samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
         args = (self.params, self.pool) + inputs + (samp,)
-        key = ("decode", inputs[3].shape[1], use_penalties)
+        key = ("decode", len(rows), inputs[3][0].shape, use_penalties, with_top)
         fn = functools.partial(_decode_step, cfg=self.model_cfg, backend=self.backend,
-                               inv_freq=self._inv_freq, use_penalties=use_penalties)
-        out, self.pool = self._compiled(key, fn, args)(*args)
-        return out, rows
+                               inv_freq=self._inv_freq, use_penalties=use_penalties,
+                               with_top_logprobs=with_top)
+        return _Call(key, args, fn, slot_rows=rows)
 
     # ---- prefill -------------------------------------------------------------------------
-    def _prefill_inputs(self, chunk: PrefillChunk, next_token: int):
-        bs = self.cfg.block_size
-        n = len(chunk.token_ids)
-        c = self.prefill_bucket(n)
-        end = chunk.start + n
-        pages = self.page_bucket(max(-(-end // bs), c // bs))
-        tokens = np.zeros(c, np.int32)
-        tokens[:n] = chunk.token_ids
-        positions = np.zeros(c, np.int32)
-        positions[:n] = np.arange(chunk.start, end)
-        table = np.asarray(chunk.block_table, np.int32)
-        slot_mapping = np.zeros(c, np.int32)
-        slot_mapping[:n] = table[positions[:n] // bs] * bs + positions[:n] % bs
-        page_indices = pad_block_table(chunk.block_table, pages)[None, :]       # [1, P]
-        kv_lens = np.array([end], np.int32)
-        cu_q_lens = np.array([0, n], np.int32)
-        next_tokens = np.full(c, -1, np.int32)
-        next_tokens[:n - 1] = chunk.token_ids[1:]
-        next_tokens[n - 1] = next_token
-        return (tokens, positions, slot_mapping, page_indices, kv_lens, cu_q_lens,
-                np.int32(n - 1), next_tokens)
+    def _pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """Greedy, in plan order: chunks join a call while its padded tokens fit."""
+        align = PREFILL_TILE if self.work_lists else 1
+        calls, current, used = [], [], 0
+        for chunk in chunks:
+            size = -(-len(chunk.token_ids) // align) * align
+            if current and (used + size > self.max_prefill_tokens
+                            or len(current) == MAX_CHUNKS_PER_CALL):
+                calls.append(current)
+                current, used = [], 0
+            current.append(chunk)
+            used += size
+        return calls + ([current] if current else [])
 
-    def _run_prefill(self, chunk: PrefillChunk, plan: StepPlan, next_token: int):
-        inputs = self._prefill_inputs(chunk, next_token)
-        row = plan.sampling.get(chunk.seq_id)
-        use_penalties = bool(row is not None and row.history)
-        samp = sampler.build_sampling_arrays([row], self.cfg.max_model_len if use_penalties else 1)
-        with_lp = chunk.prompt_logprobs is not None
-        args = (self.params, self.pool) + inputs + (samp,)
-        key = ("prefill", inputs[0].shape[0], inputs[3].shape[1], use_penalties, with_lp)
+    def _prefill_call(self, chunks: list[PrefillChunk], plan: StepPlan,
+                      next_tokens: dict[int, int]) -> _Call:
+        bs = self.cfg.block_size
+        align = PREFILL_TILE if self.work_lists else 1
+        q_starts, used = [], 0
+        for chunk in chunks:
+            q_starts.append(used)
+            used += -(-len(chunk.token_ids) // align) * align
+        t = self.prefill_bucket(used)
+        max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
+        pages = self.prefill_page_bucket(t, max_pages)
+        s = MAX_CHUNKS_PER_CALL
+
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        query_pos = np.full(t, -1, np.int32)         # -1: padding, attends to nothing
+        slot_mapping = np.zeros(t, np.int32)         # padding writes into the null block
+        targets = np.full(t, -1, np.int32)           # token after each position (prompt logprobs)
+        sample_index = np.zeros(s, np.int32)
+        rows: list[SamplingRow | None] = [None] * s
+        tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32) if self.work_lists else None
+        kv_lens = np.zeros(s, np.int32)
+        page_indices = np.zeros((s, pages), np.int32)
+        cu_q_lens = np.zeros(s + 1, np.int32)
+        for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+            table = pad_block_table(chunk.block_table, pages)
+            span = slice(q0, q0 + n)
+            tokens[span] = chunk.token_ids
+            positions[span] = query_pos[span] = np.arange(chunk.start, end)
+            slot_mapping[span] = table[positions[span] // bs] * bs + positions[span] % bs
+            targets[q0:q0 + n - 1] = chunk.token_ids[1:]
+            targets[q0 + n - 1] = next_tokens.get(chunk.seq_id, -1)
+            sample_index[i] = q0 + n - 1
+            if chunk.sample:
+                rows[i] = plan.sampling[chunk.seq_id]
+            if self.work_lists:
+                tile_pages[q0 // PREFILL_TILE:(q0 + n - 1) // PREFILL_TILE + 1] = table
+            kv_lens[i], page_indices[i], cu_q_lens[i + 1:] = end, table, q0 + n
+        if self.work_lists:
+            meta = (query_pos, tile_pages)
+        else:
+            meta = (kv_lens, page_indices, cu_q_lens, np.array([len(chunks)], np.int32))
+
+        use_penalties = any(r is not None and r.history for r in rows)
+        with_top = any(r is not None and r.logprobs for r in rows)
+        with_lp = any(c.prompt_logprobs is not None for c in chunks)
+        samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
+        args = (self.params, self.pool, tokens, positions, slot_mapping, meta, sample_index,
+                targets, samp)
+        key = ("prefill", t, pages, use_penalties, with_top, with_lp)
         fn = functools.partial(_prefill_step, cfg=self.model_cfg, backend=self.backend,
                                inv_freq=self._inv_freq, use_penalties=use_penalties,
-                               with_prompt_logprobs=with_lp)
-        sampled, prompt_lp, self.pool = self._compiled(key, fn, args)(*args)
-        return sampled, prompt_lp
+                               with_top_logprobs=with_top, with_prompt_logprobs=with_lp)
+        return _Call(key, args, fn, chunks=chunks, q_starts=q_starts,
+                     next_tokens={c.seq_id: int(targets[q + len(c.token_ids) - 1])
+                                  for c, q in zip(chunks, q_starts)})
 
     # ---- one engine step -----------------------------------------------------------------
+    def _dispatch(self, call: _Call):
+        args = (self.params, self.pool) + call.args[2:]
+        out = self._compiled(call.key, call.fn, args)(*args)
+        self.pool = out[-1]
+        return out[:-1]
+
     def execute(self, plan: StepPlan, next_tokens: dict[int, int]) -> StepResult:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
         start = time.perf_counter()
-        pending = []   # dispatch every call before reading anything back
-        for chunk in plan.prefills:
-            next_token = next_tokens.get(chunk.seq_id, -1)
-            sampled, prompt_lp = self._run_prefill(chunk, plan, next_token)
-            pending.append(("prefill", chunk, sampled, (prompt_lp, next_token)))
+        calls = [self._prefill_call(group, plan, next_tokens)
+                 for group in self._pack_prefills(plan.prefills)]
         if plan.decodes:
-            out, rows = self._run_decode(plan)
-            pending.append(("decode", plan.decodes, out, rows))
+            calls.append(self._decode_call(plan))
+        # Dispatch every call before reading anything back.
+        pending = [(call, self._dispatch(call)) for call in calls]
         result = StepResult(sampled={}, prompt_logprobs={})
-        for kind, what, out, extra in pending:
-            tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in out)
-            if kind == "prefill":
-                if what.sample:
-                    result.sampled[what.seq_id] = _sampled(0, tokens, logprob, top_ids, top_lp,
-                                                           plan.sampling[what.seq_id].logprobs)
-                prompt_lp, next_token = extra
-                if prompt_lp is not None:
-                    result.prompt_logprobs[what.seq_id] = _prompt_logprobs(what, next_token, prompt_lp)
-            else:
-                for d in what:
-                    result.sampled[d.seq_id] = _sampled(d.slot, tokens, logprob, top_ids, top_lp,
+        for call, out in pending:
+            if call.key[0] == "decode":
+                tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in out[0])
+                for i, d in enumerate(plan.decodes):
+                    result.sampled[d.seq_id] = _sampled(i, tokens, logprob, top_ids, top_lp,
                                                         plan.sampling[d.seq_id].logprobs)
+                continue
+            (sampled, prompt_lp) = out
+            tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in sampled)
+            for i, (chunk, q0) in enumerate(zip(call.chunks, call.q_starts)):
+                if chunk.sample:
+                    result.sampled[chunk.seq_id] = _sampled(i, tokens, logprob, top_ids, top_lp,
+                                                            plan.sampling[chunk.seq_id].logprobs)
+                if chunk.prompt_logprobs is not None:
+                    result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
+                        chunk, q0, call.next_tokens[chunk.seq_id], prompt_lp)
         result.timings["execute_s"] = time.perf_counter() - start
         return result
 
     # ---- warm-up -------------------------------------------------------------------------
     def bucket_shapes(self):
-        """Every (kind, tokens, pages) the scheduler can produce with these settings."""
-        max_pages = self.page_bucket(self.cfg.max_pages_per_seq)
-        page_buckets = [1 << i for i in range(max_pages.bit_length()) if 1 << i <= max_pages]
-        shapes = [("decode", self.cfg.max_num_seqs, p) for p in page_buckets]
-        c = MIN_PREFILL_BUCKET
-        while True:
-            c = min(c, self.cfg.prefill_chunk_size)
+        """Every call shape the scheduler can produce with these settings, for the default
+        sampling (no penalties, no logprobs: those compile on first use):
+        ("decode", rows, work items (xla) or pages) and ("prefill", tokens, pages)."""
+        max_pages = self.max_page_bucket
+        page_buckets = [1 << i for i in range(max_pages.bit_length())]
+        shapes = []
+        rows = 1
+        while rows <= self.decode_row_bucket(self.cfg.max_num_seqs):
+            if self.work_lists:
+                # n rows in (rows/2, rows] hold between n and n * max_pages_per_seq pages.
+                most = self.decode_item_bucket(rows * self.cfg.max_pages_per_seq)
+                size = self.decode_item_bucket(rows)
+                while size <= most:
+                    shapes.append(("decode", rows, size))
+                    size *= 2
+            else:
+                shapes += [("decode", rows, p) for p in page_buckets]
+            rows *= 2
+        t = MIN_PREFILL_BUCKET
+        while t <= self.max_prefill_tokens:
             for p in page_buckets:
-                if p >= min(c // self.cfg.block_size, max_pages) and c <= self.cfg.max_model_len:
-                    shapes.append(("prefill", c, p))
-            if c >= self.cfg.prefill_chunk_size:
-                break
-            c *= 2
+                if p == self.prefill_page_bucket(t, p):
+                    shapes.append(("prefill", t, p))
+            t *= 2
         return shapes
 
     def warmup(self) -> float:
-        """Compiles every bucket (penalties and prompt logprobs compile on first use). The
-        warm-up plans point every block table at the null block, so the pool is untouched."""
+        """Compiles every bucket on inputs that touch nothing: every token writes into and
+        reads from the null block, and every length is 0."""
         start = time.perf_counter()
-        bs = self.cfg.block_size
-        row = SamplingRow(-1, 0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0, 1, [], [], None)
-        for kind, tokens, pages in self.bucket_shapes():
-            null_table = [NULL_BLOCK] * pages
+        s = MAX_CHUNKS_PER_CALL
+        for kind, size, pages in self.bucket_shapes():
             if kind == "decode":
-                plan = StepPlan(0, [], [DecodeEntry(-1, 0, 0, (pages - 1) * bs, null_table)], {-1: row})
+                rows, zeros = size, np.zeros(size, np.int32)
+                if self.work_lists:
+                    meta = (np.full(pages, rows, np.int32), np.zeros(pages, np.int32),
+                            np.zeros(pages, np.int32), zeros)
+                else:
+                    meta = (np.zeros((rows, pages), np.int32), zeros)
+                call = self._finish_decode_call((zeros, zeros, zeros, meta), [None] * rows)
+                self._dispatch(call)
+                continue
+            zeros = np.zeros(size, np.int32)
+            if self.work_lists:
+                meta = (np.full(size, -1, np.int32), np.zeros((size // PREFILL_TILE, pages), np.int32))
             else:
-                start_pos = max(0, pages * bs - tokens)
-                plan = StepPlan(0, [PrefillChunk(-1, [0] * tokens, start_pos, null_table, True, None)],
-                                [], {-1: row})
-            self.execute(plan, {})
+                meta = (np.zeros(s, np.int32), np.zeros((s, pages), np.int32),
+                        np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
+            samp = sampler.build_sampling_arrays([None] * s, 1)
+            fn = functools.partial(_prefill_step, cfg=self.model_cfg, backend=self.backend,
+                                   inv_freq=self._inv_freq, use_penalties=False,
+                                   with_top_logprobs=False, with_prompt_logprobs=False)
+            args = (self.params, self.pool, zeros, zeros, zeros, meta, np.zeros(s, np.int32),
+                    zeros, samp)
+            self._dispatch(_Call(("prefill", size, pages, False, False, False), args, fn))
         jax.block_until_ready(self.pool)
         return time.perf_counter() - start
 
@@ -223,8 +349,9 @@ def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:
     return SampledToken(int(tokens[row]), float(logprob[row]), top)
 
 
-def _prompt_logprobs(chunk: PrefillChunk, next_token: int, out) -> list[tuple[int, dict[int, float]]]:
-    """Logits at chunk position i score the token at absolute position start + i + 1."""
+def _prompt_logprobs(chunk: PrefillChunk, q0: int, next_token: int, out) -> list[tuple[int, dict[int, float]]]:
+    """Logits at packed row q0 + i (chunk position i) score the token at absolute position
+    start + i + 1."""
     target, top_ids, top_lp = (np.asarray(x) for x in out)
     k = chunk.prompt_logprobs
     following = list(chunk.token_ids[1:]) + [next_token]
@@ -232,7 +359,8 @@ def _prompt_logprobs(chunk: PrefillChunk, next_token: int, out) -> list[tuple[in
     for i, token in enumerate(following):
         if token < 0:
             continue
-        d = {int(t): float(lp) for t, lp in zip(top_ids[i, :k], top_lp[i, :k])}
-        d[int(token)] = float(target[i])
+        row = q0 + i
+        d = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lp[row, :k])}
+        d[int(token)] = float(target[row])
         entries.append((chunk.start + i + 1, d))
     return entries

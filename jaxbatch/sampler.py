@@ -100,8 +100,10 @@ def _random_choice(processed, s: SamplingArrays):
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits, s: SamplingArrays, use_penalties: bool):
-    """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]).
+def sample(logits, s: SamplingArrays, use_penalties: bool, with_top_logprobs: bool = True):
+    """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]),
+    K = MAX_LOGPROBS, or 0 without `with_top_logprobs` (a top-k over the vocabulary is a
+    visible part of a CPU decode step, so it is compiled in only when a request asks).
 
     Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -115,6 +117,8 @@ def sample(logits, s: SamplingArrays, use_penalties: bool):
     sampled = jax.lax.cond(all_greedy, lambda p, s_: greedy, _random_choice, processed, s)
     tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if not with_top_logprobs:
+        return tokens, token_logprob, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
     return tokens, token_logprob, top_ids.astype(jnp.int32), top_logprobs
 

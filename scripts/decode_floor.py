@@ -7,8 +7,9 @@ plus a dense, unpaged attention over the same contexts (a contiguous [B, ctx] KV
 layer, written in place), greedy argmax, one jitted call on device arrays, no host work.
 
 The engine step is a real `LLMEngine.step()` in steady-state decode: `slots` requests, every
-slot decoding, every length inside (ctx/2, ctx], i.e. one page bucket of ctx/16 pages, so the
-paged reference attention reads ctx tokens per slot: what the floor's dense attention reads.
+slot decoding, every length inside (ctx/2, ctx]. The engine's attention (the `xla` backend on
+CPU) reads each slot's own pages; the floor's dense attention computes over all ctx positions
+of its cache, masked to each length.
 
 Timing: rounds interleave one engine step with one call of each piece below (jitted, device-
 synchronised, on the inputs of the engine's own decode step), so a slow moment caused by other
@@ -17,8 +18,9 @@ jobs on the machine hits all of them alike; figures are medians over rounds.
              MLP, logits, argmax): the matmul floor
   attention  floor - matmuls: dense attention over the contexts
   paging     engine forward with paged KV (write through slot mapping, gather pages) - floor
-  sampling   the engine's compiled decode executable (sampler: greedy/random branch, logprobs,
-             top-k logprobs) - the same paged forward ending in a plain argmax
+  sampling   the engine's compiled decode executable (sampler: greedy/random branch, the
+             token's logprob; no top-k, as no request asks for logprobs) - the same paged
+             forward ending in a plain argmax
   host       engine.step() wall time - the compiled executable: building the step's arrays,
              dispatch, reading tokens back, scheduler planning and update, outputs
 """
@@ -89,10 +91,11 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     return jnp.argmax(llama.compute_logits(params, x), axis=-1), tuple(new_caches)
 
 
-def paged_greedy(params, pool, tokens, positions, slot_mapping, block_tables, lengths, *, cfg,
-                 inv_freq):
-    """The engine's paged forward (reference attention), ending in argmax instead of the sampler."""
-    attend = attention.decode_attend("reference", block_tables, lengths, cfg.head_dim ** -0.5)
+def paged_greedy(params, pool, tokens, positions, slot_mapping, attn_meta, *, cfg, inv_freq,
+                 backend):
+    """The engine's paged forward (its attention backend), ending in argmax instead of the
+    sampler."""
+    attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq)
     return jnp.argmax(llama.compute_logits(params, hidden), axis=-1), pool
@@ -136,11 +139,11 @@ def steady_decode_engine(loaded, slots, ctx, rounds, seed):
 def build_pieces(engine, plan, slots, ctx):
     """The engine's decode executable and the floor's pieces, on the inputs of `plan`."""
     runner, cfg = engine.runner, engine.model_config
-    inputs, rows = runner._decode_inputs(plan)
-    assert inputs[3].shape[1] * 16 == ctx, "the decode plan left the page bucket"
-    samp = runner_mod.sampler.build_sampling_arrays(rows, 1)
+    call = runner._decode_call(plan)
+    assert call.key[1] == slots, "the decode plan does not fill the slots"
+    tokens, positions, slot_mapping, meta, samp = call.args[2:]
     params, inv_freq = runner.params, runner._inv_freq
-    dev = tuple(jnp.asarray(a) for a in inputs)
+    dev = tuple(jax.tree.map(jnp.asarray, (tokens, positions, slot_mapping, meta)))
     tokens, positions = dev[0], dev[1]
     # Own copies of the caches: the engine keeps stepping with its pool in between.
     pool = jax.tree.map(jnp.zeros_like, runner.pool)
@@ -148,11 +151,12 @@ def build_pieces(engine, plan, slots, ctx):
     shape = (slots, ctx, cfg.num_kv_heads, cfg.head_dim)
     dense = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
-    engine_exe = jax.jit(functools.partial(runner_mod._decode_step, cfg=cfg, backend="reference",
-                                           inv_freq=inv_freq, use_penalties=False),
+    engine_exe = jax.jit(functools.partial(runner_mod._decode_step, cfg=cfg, backend=runner.backend,
+                                           inv_freq=inv_freq, use_penalties=False,
+                                           with_top_logprobs=False),
                          donate_argnums=(1,))
-    paged = jax.jit(functools.partial(paged_greedy, cfg=cfg, inv_freq=inv_freq),
-                    donate_argnums=(1,))
+    paged = jax.jit(functools.partial(paged_greedy, cfg=cfg, inv_freq=inv_freq,
+                                      backend=runner.backend), donate_argnums=(1,))
     floor = jax.jit(functools.partial(dense_decode, cfg=cfg, inv_freq=inv_freq),
                     donate_argnums=(1,))
     # Returns the tokens only: returning the (non-donated, untouched) caches would make XLA

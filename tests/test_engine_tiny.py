@@ -61,3 +61,39 @@ def test_no_compilation_after_warmup_in_a_200_request_mixed_run():
     stats = engine.stats()
     assert stats["num_compilations"] == compiled
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_backends_agree_and_a_step_packs_its_prefill_chunks_into_one_call():
+    """xla (work lists, query tiles), reference (block tables, ragged oracle) and the Pallas
+    kernels in interpret mode lay the same plans out differently; the tokens must agree. The
+    first step admits four prompts, whose chunks must share one prefill call."""
+    model = make_hf_model("llama_untied_gqa2", seed=3)
+    prompts = random_token_prompts(np.random.default_rng(9), [5, 30, 70, 12, 44, 3])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (9, 3, 14, 6, 11, 8)]
+    tokens = {}
+    for backend in ("xla", "reference", "pallas_interpret"):
+        engine = tiny_engine(model, max_num_seqs=4, prefill_chunk_size=32,
+                             max_num_batched_tokens=128, attention_backend=backend)
+        calls = []
+        dispatch = engine.runner._dispatch
+        engine.runner._dispatch = lambda call: calls.append(call.key) or dispatch(call)
+        engine.add_request("first", prompts[0], params[0])
+        engine.step()
+        assert [k[0] for k in calls] == ["prefill"]
+        for i in range(1, 4):
+            engine.add_request(str(i), prompts[i], params[i])
+        calls.clear()
+        engine.step()
+        assert [k[0] for k in calls] == ["prefill", "decode"], backend
+        for i in range(4, len(prompts)):
+            engine.add_request(str(i), prompts[i], params[i])
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert len(done) == len(prompts)
+        tokens[backend] = done
+    assert tokens["reference"] == tokens["xla"]
+    assert tokens["pallas_interpret"] == tokens["xla"]

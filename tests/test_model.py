@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jaxbatch import kv_cache
-from jaxbatch.attention import ragged_attend
+from jaxbatch.attention import prefill_attend
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
@@ -28,7 +28,8 @@ def _prefill_fn(cfg):
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, pool, tokens, positions, slots, pages, kv_len, cu):
-        attend = ragged_attend("reference", kv_len, pages, cu, 1, cfg.head_dim ** -0.5)
+        meta = (kv_len, pages, cu, jnp.ones(1, jnp.int32))              # one sequence
+        attend = prefill_attend("reference", meta, cfg.head_dim ** -0.5)
         hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend, inv_freq)
         return llama.compute_logits(params, hidden), pool
     return run

@@ -1,0 +1,122 @@
+"""Plain-jnp paged attention shaped for XLA on CPU: the engine's CPU path.
+
+`reference.py` is the oracle: simple, and every slot (or sequence) there pays for the longest
+block table in the batch. Here cost follows the pages each sequence actually uses, so one long
+context no longer makes every slot of a decode step read a long context, and several prefill
+chunks share one call without each attending over every other chunk's pages. Both functions
+are checked against the oracle in tests/test_kernels.py.
+
+Decode, a work list. One item is (slot, page): the host lists every page in use by every slot,
+sorted by slot, padded to a bucket with items whose slot is out of range. Scores are
+[items, bs]; the per-slot softmax is assembled with a one-hot [slots, items] matmul, which XLA
+on CPU runs far faster than a scatter.
+
+Prefill, query tiles. Packed prefill tokens come in tiles of `PREFILL_TILE` tokens, each tile
+holding tokens of one chunk only (the host pads every chunk to a multiple of the tile), and each
+tile carries its own sequence's block table. A tile attends causally over those pages.
+
+Masked keys may hold anything (NaN included): masked values are zeroed before p @ V.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.reference import _HIGHEST
+
+PREFILL_TILE = 16
+MIN_DECODE_ITEMS = 16
+
+
+# ---- host-side layout (numpy) -----------------------------------------------------------------
+
+def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, block_size: int,
+                      bucket: int):
+    """tables: (slot, block table, kv length) per decoding slot. Returns int32 arrays [bucket]:
+    item_slot (num_slots for padding), item_page, item_first_pos (position of the page's first
+    key). Only the pages holding the first kv-length tokens are listed."""
+    needed = num_decode_items([kv_len for _, _, kv_len in tables], block_size)
+    if needed > bucket:
+        raise ValueError(f"decode work list needs {needed} items; bucket {bucket} is too small")
+    item_slot = np.full(bucket, num_slots, np.int32)
+    item_page = np.zeros(bucket, np.int32)
+    item_first_pos = np.zeros(bucket, np.int32)
+    j = 0
+    for slot, table, kv_len in sorted(tables, key=lambda t: t[0]):
+        n = -(-kv_len // block_size)
+        item_slot[j:j + n] = slot
+        item_page[j:j + n] = table[:n]
+        item_first_pos[j:j + n] = np.arange(n) * block_size
+        j += n
+    return item_slot, item_page, item_first_pos
+
+
+def num_decode_items(kv_lens, block_size: int) -> int:
+    return sum(-(-n // block_size) for n in kv_lens)
+
+
+# ---- device ---------------------------------------------------------------------------------
+
+def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_page, item_first_pos, lengths,
+                               *, scale=None):
+    """q [B, H, D]; item_* [J] int32 from `decode_work_items`; lengths [B]. -> [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+
+    item_valid = item_slot < batch
+    slot = jnp.minimum(item_slot, batch - 1)
+    key_pos = item_first_pos[:, None] + jnp.arange(block_size)[None, :]        # [J, bs]
+    key_ok = item_valid[:, None] & (key_pos < lengths[slot][:, None])          # [J, bs]
+    k = k_pages[:, item_page].astype(jnp.float32)                              # [K, J, bs, D]
+    v = jnp.where(key_ok[None, :, :, None], v_pages[:, item_page].astype(jnp.float32), 0.0)
+    qi = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)[slot]  # [J, K, G, D]
+
+    scores = jnp.einsum("jkgd,kjtd->jkgt", qi, k, precision=_HIGHEST) * scale  # [J, K, G, bs]
+    scores = jnp.where(key_ok[:, None, None, :], scores, -jnp.inf)
+    onehot = item_slot[None, :] == jnp.arange(batch)[:, None]                 # [B, J]
+    # The softmax of a slot spans all its items: shift every item by its slot's max.
+    item_max = jnp.max(scores, axis=-1)                                        # [J, K, G]
+    slot_max = jnp.max(jnp.where(onehot[:, :, None, None], item_max[None], -jnp.inf), axis=1)
+    slot_max = jnp.where(jnp.isfinite(slot_max), slot_max, 0.0)                # [B, K, G]
+    probs = jnp.where(key_ok[:, None, None, :], jnp.exp(scores - slot_max[slot][..., None]), 0.0)
+    onehot = onehot.astype(jnp.float32)
+    item_out = jnp.einsum("jkgt,kjtd->jkgd", probs, v, precision=_HIGHEST)     # [J, K, G, D]
+    out = jnp.einsum("bj,jkgd->bkgd", onehot, item_out, precision=_HIGHEST)
+    denom = jnp.einsum("bj,jkg->bkg", onehot, jnp.sum(probs, axis=-1), precision=_HIGHEST)
+    out = out / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None):
+    """q [T, H, D] with T = num_tiles * PREFILL_TILE; query_pos [T] (absolute position, -1 for
+    padding, which gives zeros); tile_pages [num_tiles, P]: the block table of the sequence
+    each tile belongs to. Causal: a query attends to keys at positions <= its own."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_tiles, pages = tile_pages.shape
+    tile = num_tokens // num_tiles
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    context = pages * block_size
+
+    k = k_pages[:, tile_pages].reshape(num_kv_heads, num_tiles, context, head_dim)
+    v = v_pages[:, tile_pages].reshape(num_kv_heads, num_tiles, context, head_dim)
+    pos = query_pos.reshape(num_tiles, tile)
+    mask = jnp.arange(context)[None, None, :] <= pos[:, :, None]              # [N, tq, ctx]
+    key_used = jnp.arange(context)[None, :] <= jnp.max(pos, axis=1)[:, None]  # [N, ctx]
+    v = jnp.where(key_used[None, :, :, None], v.astype(jnp.float32), 0.0)
+    qt = q.reshape(num_tiles, tile, num_kv_heads, group, head_dim).astype(jnp.float32)
+
+    scores = jnp.einsum("nqkgd,kntd->nkgqt", qt, k.astype(jnp.float32),
+                        precision=_HIGHEST) * scale                            # [N, K, G, tq, ctx]
+    mask = mask[:, None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    out = jnp.einsum("nkgqt,kntd->nqkgd", probs / denom, v, precision=_HIGHEST)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
