@@ -37,7 +37,7 @@ def uses_work_lists(backend: str) -> bool:
 
 def decode_attend(backend: str, meta, scale):
     """One query per slot.
-    xla:    meta = (item_slot [J], item_page [J], item_first_pos [J], lengths [B])
+    xla:    meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])
     others: meta = (block_tables [B, P], lengths [B])"""
     if backend == "xla":
         return lambda q, k_pages, v_pages: xla_paged_attention.paged_decode_attention_xla(

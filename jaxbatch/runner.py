@@ -27,7 +27,7 @@ from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.plan import (PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult,
                            pad_block_table)
-from pallas_kernels.xla_paged_attention import (MIN_DECODE_ITEMS, PREFILL_TILE, decode_work_items,
+from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
                                                 num_decode_items)
 
 MIN_PREFILL_BUCKET = 16
@@ -97,11 +97,15 @@ class ModelRunner:
         return min(next_power_of_two(max(1, num_pages)), self.max_page_bucket)
 
     @property
+    def max_items_per_seq(self) -> int:
+        return -(-self.cfg.max_pages_per_seq // PAGES_PER_ITEM)
+
+    @property
     def max_decode_items(self) -> int:
-        return max(MIN_DECODE_ITEMS, next_power_of_two(self.cfg.max_num_seqs * self.cfg.max_pages_per_seq))
+        return next_power_of_two(self.cfg.max_num_seqs * self.max_items_per_seq)
 
     def decode_item_bucket(self, num_items: int) -> int:
-        return min(max(MIN_DECODE_ITEMS, next_power_of_two(num_items)), self.max_decode_items)
+        return min(next_power_of_two(num_items), self.max_decode_items)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -292,8 +296,8 @@ class ModelRunner:
         rows = 1
         while rows <= self.decode_row_bucket(self.cfg.max_num_seqs):
             if self.work_lists:
-                # n rows in (rows/2, rows] hold between n and n * max_pages_per_seq pages.
-                most = self.decode_item_bucket(rows * self.cfg.max_pages_per_seq)
+                # n rows in (rows/2, rows] need between n and n * max_items_per_seq items.
+                most = self.decode_item_bucket(rows * self.max_items_per_seq)
                 size = self.decode_item_bucket(rows)
                 while size <= most:
                     shapes.append(("decode", rows, size))
@@ -318,8 +322,9 @@ class ModelRunner:
             if kind == "decode":
                 rows, zeros = size, np.zeros(size, np.int32)
                 if self.work_lists:
-                    meta = (np.full(pages, rows, np.int32), np.zeros(pages, np.int32),
-                            np.zeros(pages, np.int32), zeros)
+                    meta = (np.full(pages, rows, np.int32),
+                            np.zeros((pages, PAGES_PER_ITEM), np.int32), np.zeros(pages, np.int32),
+                            zeros)
                 else:
                     meta = (np.zeros((rows, pages), np.int32), zeros)
                 call = self._finish_decode_call((zeros, zeros, zeros, meta), [None] * rows)

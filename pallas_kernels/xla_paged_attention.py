@@ -6,9 +6,9 @@ context no longer makes every slot of a decode step read a long context, and sev
 chunks share one call without each attending over every other chunk's pages. Both functions
 are checked against the oracle in tests/test_kernels.py.
 
-Decode, a work list. One item is (slot, page): the host lists every page in use by every slot,
-sorted by slot, padded to a bucket with items whose slot is out of range. Scores are
-[items, bs]; the per-slot softmax is assembled with a one-hot [slots, items] matmul, which XLA
+Decode, a work list. One item is (slot, up to PAGES_PER_ITEM consecutive pages of its table): the
+host lists the pages in use by every slot, sorted by slot, padded to a bucket with items whose
+slot is out of range. Scores are [items, PAGES_PER_ITEM * bs]; the per-slot softmax is assembled with a one-hot [slots, items] matmul, which XLA
 on CPU runs far faster than a scatter.
 
 Prefill, query tiles. Packed prefill tokens come in tiles of `PREFILL_TILE` tokens, each tile
@@ -26,55 +26,66 @@ import numpy as np
 from pallas_kernels.reference import _HIGHEST
 
 PREFILL_TILE = 16
-MIN_DECODE_ITEMS = 16
+# Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
+# matmul, and XLA on CPU runs a few of those far faster than many [group, block_size] ones.
+PAGES_PER_ITEM = 8
 
 
 # ---- host-side layout (numpy) -----------------------------------------------------------------
 
+def num_decode_items(kv_lens, block_size: int, pages_per_item: int = PAGES_PER_ITEM) -> int:
+    span = block_size * pages_per_item
+    return sum(-(-int(n) // span) for n in kv_lens)
+
+
 def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, block_size: int,
-                      bucket: int):
-    """tables: (slot, block table, kv length) per decoding slot. Returns int32 arrays [bucket]:
-    item_slot (num_slots for padding), item_page, item_first_pos (position of the page's first
+                      bucket: int, pages_per_item: int = PAGES_PER_ITEM):
+    """tables: (slot, block table, kv length) per decoding slot. Returns int32 arrays:
+    item_slot [bucket] (num_slots for padding), item_pages [bucket, pages_per_item] (0, the
+    null block, past a table's end), item_first_pos [bucket] (position of the item's first
     key). Only the pages holding the first kv-length tokens are listed."""
-    needed = num_decode_items([kv_len for _, _, kv_len in tables], block_size)
+    needed = num_decode_items([kv_len for _, _, kv_len in tables], block_size, pages_per_item)
     if needed > bucket:
         raise ValueError(f"decode work list needs {needed} items; bucket {bucket} is too small")
     item_slot = np.full(bucket, num_slots, np.int32)
-    item_page = np.zeros(bucket, np.int32)
+    item_pages = np.zeros((bucket, pages_per_item), np.int32)
     item_first_pos = np.zeros(bucket, np.int32)
     j = 0
     for slot, table, kv_len in sorted(tables, key=lambda t: t[0]):
-        n = -(-kv_len // block_size)
-        item_slot[j:j + n] = slot
-        item_page[j:j + n] = table[:n]
-        item_first_pos[j:j + n] = np.arange(n) * block_size
-        j += n
-    return item_slot, item_page, item_first_pos
-
-
-def num_decode_items(kv_lens, block_size: int) -> int:
-    return sum(-(-n // block_size) for n in kv_lens)
+        used = list(table[:-(-kv_len // block_size)])
+        for first in range(0, len(used), pages_per_item):
+            pages = used[first:first + pages_per_item]
+            item_slot[j] = slot
+            item_pages[j, :len(pages)] = pages
+            item_first_pos[j] = first * block_size
+            j += 1
+    return item_slot, item_pages, item_first_pos
 
 
 # ---- device ---------------------------------------------------------------------------------
 
-def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_page, item_first_pos, lengths,
-                               *, scale=None):
-    """q [B, H, D]; item_* [J] int32 from `decode_work_items`; lengths [B]. -> [B, H, D]."""
+def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
+                               lengths, *, scale=None):
+    """q [B, H, D]; item_slot [J], item_pages [J, PPI], item_first_pos [J] int32 from
+    `decode_work_items`; lengths [B]. -> [B, H, D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
+    num_items, pages_per_item = item_pages.shape
+    span = pages_per_item * block_size
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
 
     item_valid = item_slot < batch
     slot = jnp.minimum(item_slot, batch - 1)
-    key_pos = item_first_pos[:, None] + jnp.arange(block_size)[None, :]        # [J, bs]
-    key_ok = item_valid[:, None] & (key_pos < lengths[slot][:, None])          # [J, bs]
-    k = k_pages[:, item_page].astype(jnp.float32)                              # [K, J, bs, D]
-    v = jnp.where(key_ok[None, :, :, None], v_pages[:, item_page].astype(jnp.float32), 0.0)
+    key_pos = item_first_pos[:, None] + jnp.arange(span)[None, :]              # [J, span]
+    key_ok = item_valid[:, None] & (key_pos < lengths[slot][:, None])          # [J, span]
+    k = k_pages[:, item_pages].reshape(num_kv_heads, num_items, span, head_dim)
+    v = v_pages[:, item_pages].reshape(num_kv_heads, num_items, span, head_dim)
+    k = k.astype(jnp.float32)
+    v = jnp.where(key_ok[None, :, :, None], v.astype(jnp.float32), 0.0)
     qi = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)[slot]  # [J, K, G, D]
 
-    scores = jnp.einsum("jkgd,kjtd->jkgt", qi, k, precision=_HIGHEST) * scale  # [J, K, G, bs]
+    scores = jnp.einsum("jkgd,kjtd->jkgt", qi, k, precision=_HIGHEST) * scale  # [J, K, G, span]
     scores = jnp.where(key_ok[:, None, None, :], scores, -jnp.inf)
     onehot = item_slot[None, :] == jnp.arange(batch)[:, None]                 # [B, J]
     # The softmax of a slot spans all its items: shift every item by its slot's max.

@@ -120,13 +120,14 @@ class Piece:
         self.times.append(self.call())
 
 
-def steady_decode_engine(loaded, slots, ctx, rounds, seed):
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
     length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
     prefill in the first step."""
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
                        num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
-                       max_num_batched_tokens=slots * ctx + slots, warmup=False)
+                       max_num_batched_tokens=slots * ctx + slots, warmup=False,
+                       attention_backend=backend)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
@@ -173,11 +174,12 @@ def build_pieces(engine, plan, slots, ctx):
     }
 
 
-def measure_context(loaded, slots, ctx, rounds, seed):
+def measure_context(loaded, slots, ctx, rounds, seed, backend="auto"):
     """Rounds interleave one engine.step() with one call of every piece, so a slow moment
     (other jobs on the machine) hits all of them alike; figures are medians over rounds and the
     ratio is the median of per-round ratios."""
-    engine = steady_decode_engine(loaded, slots, ctx, rounds, seed)
+    engine = steady_decode_engine(loaded, slots, ctx, rounds, seed, backend)
+    engine_backend = engine.runner.backend
     captured = {}
     execute = engine.runner.execute
 
@@ -211,7 +213,7 @@ def measure_context(loaded, slots, ctx, rounds, seed):
     step = np.asarray(step_times)
     med = lambda x: 1e3 * float(np.median(x))
     return {
-        "slots": slots, "context": ctx, "rounds": rounds, "prefill_seconds": prefill_s,
+        "slots": slots, "context": ctx, "attention_backend": engine_backend, "rounds": rounds, "prefill_seconds": prefill_s,
         "engine_step_ms": med(step),
         "floor_ms": med(t["dense_floor"]),
         "ratio_engine_over_floor": float(np.median(step / t["dense_floor"])),
@@ -249,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30,
                     help="timed rounds (one engine step + one call of each piece)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", default="auto",
+                    help="the engine's attention backend (auto = xla on CPU)")
     ap.add_argument("--target", type=float, default=1.3, help="engine step / floor target")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
@@ -262,7 +266,8 @@ def main(argv=None):
     for ctx in args.contexts:
         print(f"[decode_floor] slots={args.slots} context={ctx}: prefilling, then timing",
               flush=True)
-        results.append(measure_context(loaded, args.slots, ctx, args.rounds, args.seed))
+        results.append(measure_context(loaded, args.slots, ctx, args.rounds, args.seed,
+                                       args.attention_backend))
     out = {"machine": {"backend": jax.default_backend(), "cpu_count": os.cpu_count(),
                        "jax": jax.__version__},
            "dtype": "float32", "model": loaded.source, "target_ratio": args.target,

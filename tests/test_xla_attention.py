@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import paged_decode_attention_ref, ragged_paged_attention_ref
-from pallas_kernels.xla_paged_attention import (MIN_DECODE_ITEMS, PREFILL_TILE, decode_work_items,
+from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
                                                 num_decode_items, paged_decode_attention_xla,
                                                 tiled_prefill_attention_xla)
 
@@ -87,7 +87,8 @@ def _check(out, ref, dtype, seed, what=""):
 
 # --- decode ----------------------------------------------------------------------------------
 
-def _decode_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_items):
+def _decode_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_items,
+                 pages_per_item=PAGES_PER_ITEM):
     """Eight slots: empty ones, length 1, a long one, exact page multiples and ragged tails.
     Returns (args for the XLA function, args for the oracle, lengths)."""
     rng = np.random.default_rng(seed)
@@ -113,10 +114,11 @@ def _decode_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, ext
     # whole (their unused tail points at block 0 or at NaN spare pages).
     live = [(int(s), tables[s].tolist(), int(lengths[s])) for s in rng.permutation(num_slots)
             if lengths[s] > 0]
-    needed = num_decode_items(lengths, block_size)
-    bucket = max(MIN_DECODE_ITEMS, needed + extra_items)
-    items = decode_work_items(live, num_slots, block_size, bucket)
-    assert all(a.shape == (bucket,) and a.dtype == np.int32 for a in items)
+    needed = num_decode_items(lengths, block_size, pages_per_item)
+    bucket = max(1, needed + extra_items)
+    items = decode_work_items(live, num_slots, block_size, bucket, pages_per_item)
+    assert [a.shape for a in items] == [(bucket,), (bucket, pages_per_item), (bucket,)]
+    assert all(a.dtype == np.int32 for a in items)
 
     # The oracle's tables: block tables padded with 0 (the null block, NaN here).
     ref_tables = np.zeros_like(tables)
@@ -131,22 +133,22 @@ def _decode_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, ext
 
 
 DECODE_CASES = [
-    # (seed, num_heads, num_kv_heads, head_dim, block_size, dtype, padding items)
-    (11, 4, 4, 64, 16, jnp.float32, 5),       # GQA 1
-    (12, 9, 3, 64, 32, jnp.float32, 17),      # GQA 3
-    (13, 8, 2, 128, 16, jnp.float32, 0),      # GQA 4, bucket exactly full
-    (14, 4, 4, 128, 32, jnp.bfloat16, 9),     # GQA 1
-    (15, 9, 3, 128, 16, jnp.bfloat16, 3),     # GQA 3
-    (16, 8, 2, 64, 32, jnp.bfloat16, 12),     # GQA 4
+    # (seed, num_heads, num_kv_heads, head_dim, block_size, dtype, padding items, pages/item)
+    (11, 4, 4, 64, 16, jnp.float32, 5, 1),       # GQA 1, one page per item
+    (12, 9, 3, 64, 32, jnp.float32, 17, 2),      # GQA 3, long slots span several items
+    (13, 8, 2, 128, 16, jnp.float32, 0, 8),      # GQA 4, bucket exactly full
+    (14, 4, 4, 128, 32, jnp.bfloat16, 9, 2),     # GQA 1
+    (15, 9, 3, 128, 16, jnp.bfloat16, 3, 1),     # GQA 3
+    (16, 8, 2, 64, 32, jnp.bfloat16, 12, 8),     # GQA 4
 ]
 
 
-@pytest.mark.parametrize("seed,num_heads,num_kv_heads,head_dim,block_size,dtype,extra",
+@pytest.mark.parametrize("seed,num_heads,num_kv_heads,head_dim,block_size,dtype,extra,ppi",
                          DECODE_CASES)
 def test_decode_matches_reference(seed, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                  extra):
+                                  extra, ppi):
     xla_args, ref_args, lengths = _decode_case(seed, num_heads, num_kv_heads, head_dim,
-                                               block_size, dtype, extra)
+                                               block_size, dtype, extra, ppi)
     out = _decode(*xla_args)
     assert out.dtype == dtype
     _check(out, _decode_ref(*ref_args), dtype, seed)
@@ -170,7 +172,7 @@ def test_decode_all_slots_empty():
     rng = np.random.default_rng(31)
     q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
     pool = jnp.full((2, 4, 16, 64), jnp.nan, jnp.float32)
-    items = decode_work_items([], 3, 16, MIN_DECODE_ITEMS)
+    items = decode_work_items([], 3, 16, 4)
     out = _decode(q, pool, pool, *(jnp.asarray(a) for a in items), jnp.zeros(3, jnp.int32))
     assert (np.asarray(out) == 0).all()
 
@@ -178,12 +180,20 @@ def test_decode_all_slots_empty():
 def test_decode_work_items_layout():
     block_size, num_slots = 16, 5
     live = [(3, [7, 2, 9, 0], 33), (0, [4, 0, 0, 0], 16), (2, [5, 6, 0, 0], 17)]
-    item_slot, item_page, item_first = decode_work_items(live, num_slots, block_size, 16)
-    n = num_decode_items([33, 16, 17], block_size)
+    item_slot, item_pages, item_first = decode_work_items(live, num_slots, block_size, 16, 1)
+    n = num_decode_items([33, 16, 17], block_size, 1)
     assert n == 6
     np.testing.assert_array_equal(item_slot[:n], [0, 2, 2, 3, 3, 3])
-    np.testing.assert_array_equal(item_page[:n], [4, 5, 6, 7, 2, 9])
+    np.testing.assert_array_equal(item_pages[:n, 0], [4, 5, 6, 7, 2, 9])
     np.testing.assert_array_equal(item_first[:n], [0, 0, 16, 0, 16, 32])
+    assert (item_slot[n:] == num_slots).all()
+    # Two pages per item: slot 3's three pages make two items, the second half empty.
+    item_slot, item_pages, item_first = decode_work_items(live, num_slots, block_size, 8, 2)
+    n = num_decode_items([33, 16, 17], block_size, 2)
+    assert n == 4
+    np.testing.assert_array_equal(item_slot[:n], [0, 2, 3, 3])
+    np.testing.assert_array_equal(item_pages[:n], [[4, 0], [5, 6], [7, 2], [9, 0]])
+    np.testing.assert_array_equal(item_first[:n], [0, 0, 0, 32])
     assert (item_slot[n:] == num_slots).all()
 
 
@@ -192,10 +202,11 @@ def test_num_decode_items(seed, block_size):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 200, 20)
     lengths[:4] = [0, 1, block_size, block_size + 1]
-    want = sum(int(np.ceil(n / block_size)) for n in lengths)
-    assert num_decode_items(lengths, block_size) == want
-    assert num_decode_items(lengths.tolist(), block_size) == want
-    assert num_decode_items([], block_size) == 0
+    for ppi in (1, 3, PAGES_PER_ITEM):
+        want = sum(int(np.ceil(n / (block_size * ppi))) for n in lengths)
+        assert num_decode_items(lengths, block_size, ppi) == want
+        assert num_decode_items(lengths.tolist(), block_size, ppi) == want
+        assert num_decode_items([], block_size, ppi) == 0
 
 
 # --- prefill tiles ---------------------------------------------------------------------------
@@ -314,4 +325,4 @@ def test_prefill_jit_matches_eager(dtype, scale, tol):
 
 def test_decode_work_items_rejects_a_bucket_too_small():
     with pytest.raises(ValueError, match="bucket 2 is too small"):
-        decode_work_items([(0, [3, 4], 20), (1, [5], 7)], 2, 16, 2)
+        decode_work_items([(0, [3, 4], 20), (1, [5], 7)], 2, 16, 2, 1)
