@@ -68,7 +68,6 @@ class _Call:
     chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
     q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
     next_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
-    slot_rows: list[SamplingRow | None] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -174,7 +173,7 @@ class ModelRunner:
         fn = functools.partial(_decode_step, cfg=self.model_cfg, backend=self.backend,
                                inv_freq=self._inv_freq, use_penalties=use_penalties,
                                with_top_logprobs=with_top)
-        return _Call(key, args, fn, slot_rows=rows)
+        return _Call(key, args, fn)
 
     # ---- prefill -------------------------------------------------------------------------
     def _pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
