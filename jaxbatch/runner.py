@@ -2,7 +2,8 @@
 KV pool, which is donated into every call and rebound to what comes back.
 
 An engine step makes at most two kinds of call:
-  decode   one token for each decoding sequence, rows padded to a power of two <= max_num_seqs.
+  decode   one token for each decoding sequence, rows padded to a power of two (at most
+           next_power_of_two(max_num_seqs)).
            Attention inputs are padded to a bucket: the total pages in use (xla work items) or
            the longest block table (pallas, reference).
   prefill  the step's prefill chunks packed into one call (more only when they overflow the
@@ -32,6 +33,7 @@ from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, de
 
 MIN_PREFILL_BUCKET = 16
 MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
+assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
 MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 
 
@@ -45,7 +47,7 @@ def _decode_step(params, pool, tokens, positions, slot_mapping, attn_meta, samp,
 
 
 def _prefill_step(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index,
-                  next_tokens, samp, *, cfg, backend, inv_freq, use_penalties, with_top_logprobs,
+                  targets, samp, *, cfg, backend, inv_freq, use_penalties, with_top_logprobs,
                   with_prompt_logprobs):
     attend = attention.prefill_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
@@ -55,7 +57,7 @@ def _prefill_step(params, pool, tokens, positions, slot_mapping, attn_meta, samp
                              with_top_logprobs)
     prompt_lp = None
     if with_prompt_logprobs:
-        prompt_lp = sampler.prompt_logprobs(llama.compute_logits(params, hidden), next_tokens)
+        prompt_lp = sampler.prompt_logprobs(llama.compute_logits(params, hidden), targets)
     return sampled, prompt_lp, pool
 
 
@@ -67,7 +69,7 @@ class _Call:
     fn: object
     chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
     q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
-    next_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    token_after: dict[int, int] = dataclasses.field(default_factory=dict)  # seq_id -> next token
 
 
 class ModelRunner:
@@ -78,6 +80,12 @@ class ModelRunner:
         self.params = params
         self.backend = attention.resolve_backend(attention_backend)
         self.work_lists = attention.uses_work_lists(self.backend)
+        # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
+        self.chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
+        # A top-k over the vocabulary is a visible part of a CPU decode step, so on CPU it is
+        # compiled in only for steps where a request asks for logprobs (the first such step
+        # compiles). On a GPU it is cheap, and compiling mid-serving is not: always in.
+        self.top_logprobs_always = self.backend == "pallas"
         self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         self._executables: dict[tuple, object] = {}
@@ -136,7 +144,7 @@ class ModelRunner:
         return min(next_power_of_two(num_decodes), next_power_of_two(self.cfg.max_num_seqs))
 
     def _decode_call(self, plan: StepPlan) -> _Call:
-        """Decoding sequences take rows 0..n-1 in slot order, padded to a power of two: on a
+        """Decoding sequences take rows 0..n-1 in plan order, padded to a power of two: on a
         CPU a matmul costs in proportion to its rows, so a half-empty slot array should not
         pay for the empty half. Padding rows write into the null block."""
         bs = self.cfg.block_size
@@ -166,7 +174,7 @@ class ModelRunner:
 
     def _finish_decode_call(self, inputs, rows) -> _Call:
         use_penalties = any(r is not None and r.history for r in rows)
-        with_top = any(r is not None and r.logprobs for r in rows)
+        with_top = self.top_logprobs_always or any(r is not None and r.logprobs for r in rows)
         samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
         args = (self.params, self.pool) + inputs + (samp,)
         key = ("decode", len(rows), inputs[3][0].shape, use_penalties, with_top)
@@ -183,7 +191,7 @@ class ModelRunner:
         for chunk in chunks:
             size = -(-len(chunk.token_ids) // align) * align
             if current and (used + size > self.max_prefill_tokens
-                            or len(current) == MAX_CHUNKS_PER_CALL):
+                            or len(current) == self.chunks_per_call):
                 calls.append(current)
                 current, used = [], 0
             current.append(chunk)
@@ -201,7 +209,7 @@ class ModelRunner:
         t = self.prefill_bucket(used)
         max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
         pages = self.prefill_page_bucket(t, max_pages)
-        s = MAX_CHUNKS_PER_CALL
+        s = self.chunks_per_call
 
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -210,10 +218,7 @@ class ModelRunner:
         targets = np.full(t, -1, np.int32)           # token after each position (prompt logprobs)
         sample_index = np.zeros(s, np.int32)
         rows: list[SamplingRow | None] = [None] * s
-        tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32) if self.work_lists else None
-        kv_lens = np.zeros(s, np.int32)
-        page_indices = np.zeros((s, pages), np.int32)
-        cu_q_lens = np.zeros(s + 1, np.int32)
+        tables = np.zeros((s, pages), np.int32)
         for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
             n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
             table = pad_block_table(chunk.block_table, pages)
@@ -224,18 +229,27 @@ class ModelRunner:
             targets[q0:q0 + n - 1] = chunk.token_ids[1:]
             targets[q0 + n - 1] = next_tokens.get(chunk.seq_id, -1)
             sample_index[i] = q0 + n - 1
+            tables[i] = table
             if chunk.sample:
                 rows[i] = plan.sampling[chunk.seq_id]
-            if self.work_lists:
-                tile_pages[q0 // PREFILL_TILE:(q0 + n - 1) // PREFILL_TILE + 1] = table
-            kv_lens[i], page_indices[i], cu_q_lens[i + 1:] = end, table, q0 + n
         if self.work_lists:
+            # Every tile of a chunk carries its sequence's block table.
+            tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32)     # [T / tile, P]
+            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+                last = q0 + len(chunk.token_ids) - 1
+                tile_pages[q0 // PREFILL_TILE:last // PREFILL_TILE + 1] = tables[i]
             meta = (query_pos, tile_pages)
         else:
-            meta = (kv_lens, page_indices, cu_q_lens, np.array([len(chunks)], np.int32))
+            # The ragged contract: chunks packed back to back (align = 1 here).
+            kv_lens = np.zeros(s, np.int32)
+            cu_q_lens = np.zeros(s + 1, np.int32)
+            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+                kv_lens[i] = chunk.start + len(chunk.token_ids)
+                cu_q_lens[i + 1:] = q0 + len(chunk.token_ids)
+            meta = (kv_lens, tables, cu_q_lens, np.array([len(chunks)], np.int32))
 
         use_penalties = any(r is not None and r.history for r in rows)
-        with_top = any(r is not None and r.logprobs for r in rows)
+        with_top = self.top_logprobs_always or any(r is not None and r.logprobs for r in rows)
         with_lp = any(c.prompt_logprobs is not None for c in chunks)
         samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
         args = (self.params, self.pool, tokens, positions, slot_mapping, meta, sample_index,
@@ -245,7 +259,7 @@ class ModelRunner:
                                inv_freq=self._inv_freq, use_penalties=use_penalties,
                                with_top_logprobs=with_top, with_prompt_logprobs=with_lp)
         return _Call(key, args, fn, chunks=chunks, q_starts=q_starts,
-                     next_tokens={c.seq_id: int(targets[q + len(c.token_ids) - 1])
+                     token_after={c.seq_id: int(targets[q + len(c.token_ids) - 1])
                                   for c, q in zip(chunks, q_starts)})
 
     # ---- one engine step -----------------------------------------------------------------
@@ -280,14 +294,14 @@ class ModelRunner:
                                                             plan.sampling[chunk.seq_id].logprobs)
                 if chunk.prompt_logprobs is not None:
                     result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
-                        chunk, q0, call.next_tokens[chunk.seq_id], prompt_lp)
+                        chunk, q0, call.token_after[chunk.seq_id], prompt_lp)
         result.timings["execute_s"] = time.perf_counter() - start
         return result
 
     # ---- warm-up -------------------------------------------------------------------------
     def bucket_shapes(self):
         """Every call shape the scheduler can produce with these settings, for the default
-        sampling (no penalties, no logprobs: those compile on first use):
+        sampling (penalties, prompt logprobs and, on CPU, logprobs compile on first use):
         ("decode", rows, work items (xla) or pages) and ("prefill", tokens, pages)."""
         max_pages = self.max_page_bucket
         page_buckets = [1 << i for i in range(max_pages.bit_length())]
@@ -316,32 +330,33 @@ class ModelRunner:
         """Compiles every bucket on inputs that touch nothing: every token writes into and
         reads from the null block, and every length is 0."""
         start = time.perf_counter()
-        s = MAX_CHUNKS_PER_CALL
-        for kind, size, pages in self.bucket_shapes():
+        for kind, a, b in self.bucket_shapes():
             if kind == "decode":
-                rows, zeros = size, np.zeros(size, np.int32)
+                rows, size = a, b                      # size: work items (xla) or pages
+                zeros = np.zeros(rows, np.int32)
                 if self.work_lists:
-                    meta = (np.full(pages, rows, np.int32),
-                            np.zeros((pages, PAGES_PER_ITEM), np.int32), np.zeros(pages, np.int32),
+                    meta = (np.full(size, rows, np.int32),              # every item is padding
+                            np.zeros((size, PAGES_PER_ITEM), np.int32), np.zeros(size, np.int32),
                             zeros)
                 else:
-                    meta = (np.zeros((rows, pages), np.int32), zeros)
-                call = self._finish_decode_call((zeros, zeros, zeros, meta), [None] * rows)
-                self._dispatch(call)
+                    meta = (np.zeros((rows, size), np.int32), zeros)
+                self._dispatch(self._finish_decode_call((zeros, zeros, zeros, meta), [None] * rows))
                 continue
-            zeros = np.zeros(size, np.int32)
+            tokens, pages = a, b
+            s, zeros = self.chunks_per_call, np.zeros(tokens, np.int32)
             if self.work_lists:
-                meta = (np.full(size, -1, np.int32), np.zeros((size // PREFILL_TILE, pages), np.int32))
+                meta = (np.full(tokens, -1, np.int32),
+                        np.zeros((tokens // PREFILL_TILE, pages), np.int32))
             else:
                 meta = (np.zeros(s, np.int32), np.zeros((s, pages), np.int32),
                         np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
-            samp = sampler.build_sampling_arrays([None] * s, 1)
+            with_top = self.top_logprobs_always
             fn = functools.partial(_prefill_step, cfg=self.model_cfg, backend=self.backend,
                                    inv_freq=self._inv_freq, use_penalties=False,
-                                   with_top_logprobs=False, with_prompt_logprobs=False)
+                                   with_top_logprobs=with_top, with_prompt_logprobs=False)
             args = (self.params, self.pool, zeros, zeros, zeros, meta, np.zeros(s, np.int32),
-                    zeros, samp)
-            self._dispatch(_Call(("prefill", size, pages, False, False, False), args, fn))
+                    zeros, sampler.build_sampling_arrays([None] * s, 1))
+            self._dispatch(_Call(("prefill", tokens, pages, False, with_top, False), args, fn))
         jax.block_until_ready(self.pool)
         return time.perf_counter() - start
 

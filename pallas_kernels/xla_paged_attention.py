@@ -40,7 +40,8 @@ def num_decode_items(kv_lens, block_size: int, pages_per_item: int = PAGES_PER_I
 
 def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, block_size: int,
                       bucket: int, pages_per_item: int = PAGES_PER_ITEM):
-    """tables: (slot, block table, kv length) per decoding slot. Returns int32 arrays:
+    """tables: (slot, block table, kv length) per decoding sequence, where a slot is a row of
+    the decode call's q (the runner passes row indices 0..n-1). Returns int32 arrays:
     item_slot [bucket] (num_slots for padding), item_pages [bucket, pages_per_item] (0, the
     null block, past a table's end), item_first_pos [bucket] (position of the item's first
     key). Only the pages holding the first kv-length tokens are listed."""

@@ -201,7 +201,25 @@ def step_stats(run: RunResult, slots: int) -> dict:
     seqs = np.array([s[1] for s in run.steps])
     blocks = np.array([s[2] for s in run.steps])
     return {"num_steps": len(run.steps), "mean_slot_occupancy": float(seqs.mean() / slots),
-            "max_kv_blocks_in_use": int(blocks.max()), "mean_kv_blocks_in_use": float(blocks.mean())}
+            "max_kv_blocks_in_use": int(blocks.max()), "mean_kv_blocks_in_use": float(blocks.mean()),
+            **step_time_split(run.steps, run.step_seconds)}
+
+
+def step_time_split(steps, step_seconds) -> dict:
+    """Where a run's step time went: steps carrying a prefill chunk vs decode-only steps (one
+    token per sequence), and the median decode-only step by rows (a power of two, as the
+    runner pads them). Works on bench.json's "steps" and "step_seconds" too."""
+    decode = [(s[1], dt) for s, dt in zip(steps, step_seconds) if s[3] == s[1]]
+    prefill = [dt for s, dt in zip(steps, step_seconds) if s[3] != s[1]]
+    by_rows: dict[int, list[float]] = {}
+    for rows, dt in decode:
+        by_rows.setdefault(1 << (rows - 1).bit_length(), []).append(dt)
+    return {"prefill_steps": len(prefill), "prefill_step_seconds": float(sum(prefill)),
+            "decode_only_steps": len(decode),
+            "decode_only_seconds": float(sum(dt for _, dt in decode)),
+            "mean_rows_per_decode_step": float(np.mean([r for r, _ in decode])) if decode else 0.0,
+            "decode_step_ms_by_rows": {r: {"steps": len(v), "median_ms": 1e3 * float(np.median(v))}
+                                       for r, v in sorted(by_rows.items())}}
 
 
 # ==== jaxbatch ====================================================================================

@@ -141,7 +141,8 @@ def build_pieces(engine, plan, slots, ctx):
     """The engine's decode executable and the floor's pieces, on the inputs of `plan`."""
     runner, cfg = engine.runner, engine.model_config
     call = runner._decode_call(plan)
-    assert call.key[1] == slots, "the decode plan does not fill the slots"
+    # The runner pads decode rows to a power of two; so does the floor's batch here.
+    assert call.key[1] == slots, f"--slots {slots}: use a power of two (the runner pads rows to one)"
     tokens, positions, slot_mapping, meta, samp = call.args[2:]
     params, inv_freq = runner.params, runner._inv_freq
     dev = tuple(jax.tree.map(jnp.asarray, (tokens, positions, slot_mapping, meta)))
@@ -256,6 +257,8 @@ def main(argv=None):
     ap.add_argument("--target", type=float, default=1.3, help="engine step / floor target")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
+    if args.slots & (args.slots - 1):
+        ap.error("--slots must be a power of two: the runner pads decode rows to one")
     for ctx in args.contexts:
         if ctx & (ctx - 1) or ctx - (args.rounds + 3) <= ctx // 2:
             ap.error(f"context {ctx}: must be a power of two > 2 * (rounds + 3) so every "

@@ -66,7 +66,7 @@ def test_no_compilation_after_warmup_in_a_200_request_mixed_run():
 def test_backends_agree_and_a_step_packs_its_prefill_chunks_into_one_call():
     """xla (work lists, query tiles), reference (block tables, ragged oracle) and the Pallas
     kernels in interpret mode lay the same plans out differently; the tokens must agree. The
-    first step admits four prompts, whose chunks must share one prefill call."""
+    second step admits three prompts, whose chunks share one prefill call (xla, Pallas)."""
     model = make_hf_model("llama_untied_gqa2", seed=3)
     prompts = random_token_prompts(np.random.default_rng(9), [5, 30, 70, 12, 44, 3])
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -85,7 +85,9 @@ def test_backends_agree_and_a_step_packs_its_prefill_chunks_into_one_call():
             engine.add_request(str(i), prompts[i], params[i])
         calls.clear()
         engine.step()
-        assert [k[0] for k in calls] == ["prefill", "decode"], backend
+        # The oracle's ragged attention costs tokens x chunks x context: it takes one per call.
+        one_call_each = backend == "reference"
+        assert [k[0] for k in calls] == ["prefill"] * (3 if one_call_each else 1) + ["decode"]
         for i in range(4, len(prompts)):
             engine.add_request(str(i), prompts[i], params[i])
         done = {}
