@@ -36,7 +36,7 @@ def uses_work_lists(backend: str) -> bool:
 
 
 def decode_attend(backend: str, meta, scale):
-    """One query per slot.
+    """One query per row of the decode call.
     xla:    meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])
     others: meta = (block_tables [B, P], lengths [B])"""
     if backend == "xla":

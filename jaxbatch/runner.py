@@ -32,9 +32,9 @@ from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, de
                                                 num_decode_items)
 
 MIN_PREFILL_BUCKET = 16
+MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
 assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
-MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 
 
 def _decode_step(params, pool, tokens, positions, slot_mapping, attn_meta, samp, *, cfg, backend,
@@ -63,13 +63,13 @@ def _prefill_step(params, pool, tokens, positions, slot_mapping, attn_meta, samp
 
 @dataclasses.dataclass
 class _Call:
-    """One compiled call's host inputs and how to read its outputs back."""
+    """One compiled call: its step inputs (host arrays; params and pool are added at dispatch)
+    and, for prefill, where each chunk sits in the packed rows."""
     key: tuple
     args: tuple
     fn: object
     chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
     q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
-    token_after: dict[int, int] = dataclasses.field(default_factory=dict)  # seq_id -> next token
 
 
 class ModelRunner:
@@ -176,7 +176,7 @@ class ModelRunner:
         use_penalties = any(r is not None and r.history for r in rows)
         with_top = self.top_logprobs_always or any(r is not None and r.logprobs for r in rows)
         samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
-        args = (self.params, self.pool) + inputs + (samp,)
+        args = inputs + (samp,)
         key = ("decode", len(rows), inputs[3][0].shape, use_penalties, with_top)
         fn = functools.partial(_decode_step, cfg=self.model_cfg, backend=self.backend,
                                inv_freq=self._inv_freq, use_penalties=use_penalties,
@@ -252,19 +252,16 @@ class ModelRunner:
         with_top = self.top_logprobs_always or any(r is not None and r.logprobs for r in rows)
         with_lp = any(c.prompt_logprobs is not None for c in chunks)
         samp = sampler.build_sampling_arrays(rows, self.cfg.max_model_len if use_penalties else 1)
-        args = (self.params, self.pool, tokens, positions, slot_mapping, meta, sample_index,
-                targets, samp)
+        args = (tokens, positions, slot_mapping, meta, sample_index, targets, samp)
         key = ("prefill", t, pages, use_penalties, with_top, with_lp)
         fn = functools.partial(_prefill_step, cfg=self.model_cfg, backend=self.backend,
                                inv_freq=self._inv_freq, use_penalties=use_penalties,
                                with_top_logprobs=with_top, with_prompt_logprobs=with_lp)
-        return _Call(key, args, fn, chunks=chunks, q_starts=q_starts,
-                     token_after={c.seq_id: int(targets[q + len(c.token_ids) - 1])
-                                  for c, q in zip(chunks, q_starts)})
+        return _Call(key, args, fn, chunks=chunks, q_starts=q_starts)
 
     # ---- one engine step -----------------------------------------------------------------
     def _dispatch(self, call: _Call):
-        args = (self.params, self.pool) + call.args[2:]
+        args = (self.params, self.pool) + call.args
         out = self._compiled(call.key, call.fn, args)(*args)
         self.pool = out[-1]
         return out[:-1]
@@ -294,7 +291,7 @@ class ModelRunner:
                                                             plan.sampling[chunk.seq_id].logprobs)
                 if chunk.prompt_logprobs is not None:
                     result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
-                        chunk, q0, call.token_after[chunk.seq_id], prompt_lp)
+                        chunk, q0, next_tokens.get(chunk.seq_id, -1), prompt_lp)
         result.timings["execute_s"] = time.perf_counter() - start
         return result
 
@@ -354,8 +351,8 @@ class ModelRunner:
             fn = functools.partial(_prefill_step, cfg=self.model_cfg, backend=self.backend,
                                    inv_freq=self._inv_freq, use_penalties=False,
                                    with_top_logprobs=with_top, with_prompt_logprobs=False)
-            args = (self.params, self.pool, zeros, zeros, zeros, meta, np.zeros(s, np.int32),
-                    zeros, sampler.build_sampling_arrays([None] * s, 1))
+            args = (zeros, zeros, zeros, meta, np.zeros(s, np.int32), zeros,
+                    sampler.build_sampling_arrays([None] * s, 1))
             self._dispatch(_Call(("prefill", tokens, pages, False, with_top, False), args, fn))
         jax.block_until_ready(self.pool)
         return time.perf_counter() - start

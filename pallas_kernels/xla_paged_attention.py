@@ -19,7 +19,6 @@ Masked keys may hold anything (NaN included): masked values are zeroed before p 
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

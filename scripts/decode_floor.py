@@ -141,9 +141,9 @@ def build_pieces(engine, plan, slots, ctx):
     """The engine's decode executable and the floor's pieces, on the inputs of `plan`."""
     runner, cfg = engine.runner, engine.model_config
     call = runner._decode_call(plan)
-    # The runner pads decode rows to a power of two; so does the floor's batch here.
+    # --slots is a power of two (main checks), so the decode call has exactly `slots` rows.
     assert call.key[1] == slots, f"--slots {slots}: use a power of two (the runner pads rows to one)"
-    tokens, positions, slot_mapping, meta, samp = call.args[2:]
+    tokens, positions, slot_mapping, meta, samp = call.args
     params, inv_freq = runner.params, runner._inv_freq
     dev = tuple(jax.tree.map(jnp.asarray, (tokens, positions, slot_mapping, meta)))
     tokens, positions = dev[0], dev[1]
@@ -214,7 +214,8 @@ def measure_context(loaded, slots, ctx, rounds, seed, backend="auto"):
     step = np.asarray(step_times)
     med = lambda x: 1e3 * float(np.median(x))
     return {
-        "slots": slots, "context": ctx, "attention_backend": engine_backend, "rounds": rounds, "prefill_seconds": prefill_s,
+        "slots": slots, "context": ctx, "attention_backend": engine_backend, "rounds": rounds,
+        "prefill_seconds": prefill_s,
         "engine_step_ms": med(step),
         "floor_ms": med(t["dense_floor"]),
         "ratio_engine_over_floor": float(np.median(step / t["dense_floor"])),

@@ -19,6 +19,7 @@ from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import paged_decode_attention_ref, ragged_paged_attention_ref
+from paged_inputs import fill_pages, nan_pool, random_tables
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -38,36 +39,6 @@ class _SeededRng:
 def rng():
     return _SeededRng(int(os.environ.get("KERNEL_TEST_SEED",
                                          int.from_bytes(os.urandom(4), "little"))))
-
-
-def _pool(rng, num_kv_heads, num_blocks, block_size, head_dim):
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-
-
-def _fill(rng, k, v, pages, length):
-    """Random keys/values in the first `length` slots of `pages`; the rest stays NaN."""
-    block_size = k.shape[2]
-    pos = np.arange(length)
-    blocks, offsets = np.asarray(pages)[pos // block_size], pos % block_size
-    k[:, blocks, offsets] = rng.standard_normal((k.shape[0], length, k.shape[3]))
-    v[:, blocks, offsets] = rng.standard_normal((k.shape[0], length, k.shape[3]))
-
-
-def _tables(rng, lengths, pages_per_seq, block_size, spare):
-    """Block tables over randomly permuted pages 1..; unused entries point at block 0 or at a
-    spare (NaN) page. Returns (tables, number of blocks)."""
-    needed = [-(-int(n) // block_size) for n in lengths]
-    num_blocks = 1 + sum(needed) + spare
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    tables = np.zeros((len(lengths), pages_per_seq), np.int32)
-    for i, n in enumerate(needed):
-        tables[i, :n] = [free.pop() for _ in range(n)]
-    spare_pages = np.asarray(free)
-    unused = tables == 0
-    poison = unused & (rng.random(tables.shape) < 0.5)
-    tables[poison] = rng.choice(spare_pages, poison.sum())
-    return tables, num_blocks
 
 
 def _check(out, ref, dtype, seed, empty_rows=()):
@@ -105,10 +76,10 @@ def test_paged_decode_matches_reference(rng, num_heads, num_kv_heads, head_dim, 
     lengths[0] = 0                                                       # empty slot
     lengths[1] = rng.integers(1, pages_per_seq) * block_size + rng.integers(1, block_size)
     lengths[2] = context                                                 # table full
-    tables, num_blocks = _tables(rng, lengths, pages_per_seq, block_size, spare=3)
-    k, v = _pool(rng, num_kv_heads, num_blocks, block_size, head_dim)
+    tables, num_blocks = random_tables(rng, lengths, pages_per_seq, block_size)
+    k, v = nan_pool(num_kv_heads, num_blocks, block_size, head_dim)
     for i in range(batch):
-        _fill(rng, k, v, tables[i], lengths[i])
+        fill_pages(rng, k, v, tables[i], lengths[i])
     q = jnp.asarray(rng.standard_normal((batch, num_heads, head_dim)), dtype)
     args = (q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables),
             jnp.asarray(lengths, jnp.int32))
@@ -128,8 +99,8 @@ def test_paged_decode_custom_scale_and_all_empty(rng):
     out = paged_decode_attention(q, k, -k, tables, lengths, **kw)
     _check(out, paged_decode_attention_ref(q, k, -k, tables, lengths, scale=0.3),
            jnp.float32, rng.seed)
-    nan_pool = jnp.full_like(k, jnp.nan)
-    empty = paged_decode_attention(q, nan_pool, nan_pool, tables, jnp.zeros(2, jnp.int32), **kw)
+    poisoned = jnp.full_like(k, jnp.nan)
+    empty = paged_decode_attention(q, poisoned, poisoned, tables, jnp.zeros(2, jnp.int32), **kw)
     assert (np.asarray(empty) == 0).all(), f"seed={rng.seed}"
 
 
@@ -160,11 +131,11 @@ def test_ragged_matches_reference(rng, num_heads, num_kv_heads, head_dim, block_
     kv_lens[3] = q_lens[3]                                # chunk that starts the sequence
     cu = np.concatenate([[0], np.cumsum(q_lens[:num_seqs])]).astype(np.int32)
     cu = np.concatenate([cu, np.full(max_seqs - num_seqs, cu[-1] + 3)]).astype(np.int32)
-    tables, num_blocks = _tables(rng, kv_lens[:num_seqs], pages_per_seq, block_size, spare=3)
+    tables, num_blocks = random_tables(rng, kv_lens[:num_seqs], pages_per_seq, block_size)
     tables = np.concatenate([tables, rng.integers(0, num_blocks, (1, pages_per_seq))])
-    k, v = _pool(rng, num_kv_heads, num_blocks, block_size, head_dim)
+    k, v = nan_pool(num_kv_heads, num_blocks, block_size, head_dim)
     for i in range(num_seqs):
-        _fill(rng, k, v, tables[i], kv_lens[i])
+        fill_pages(rng, k, v, tables[i], kv_lens[i])
     q = rng.standard_normal((num_tokens, num_heads, head_dim))
     q[cu[num_seqs]:] = np.nan                             # padding tokens: must give zeros
     args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),

@@ -19,6 +19,7 @@ from pallas_kernels.reference import paged_decode_attention_ref, ragged_paged_at
 from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
                                                 num_decode_items, paged_decode_attention_xla,
                                                 tiled_prefill_attention_xla)
+from paged_inputs import fill_pages, nan_pool, random_tables
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -35,36 +36,6 @@ _ragged_ref = jax.jit(ragged_paged_attention_ref)
 
 def _cdiv(a, b):
     return -(-int(a) // b)
-
-
-def _tables(rng, lengths, pages_per_seq, block_size, spare=3):
-    """Block tables over randomly permuted pages 1..; unused entries point at block 0 or at a
-    spare (NaN) page. Returns (tables [S, P] int32, number of blocks)."""
-    needed = [_cdiv(n, block_size) for n in lengths]
-    num_blocks = 1 + sum(needed) + spare
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    tables = np.zeros((len(lengths), pages_per_seq), np.int32)
-    for i, n in enumerate(needed):
-        tables[i, :n] = [free.pop() for _ in range(n)]
-    spare_pages = np.asarray(free)
-    unused = tables == 0
-    poison = unused & (rng.random(tables.shape) < 0.5)
-    tables[poison] = rng.choice(spare_pages, poison.sum())
-    return tables, num_blocks
-
-
-def _pool(num_kv_heads, num_blocks, block_size, head_dim):
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-
-
-def _fill(rng, k, v, pages, length):
-    """Random keys/values in the first `length` slots of `pages`; the rest stays NaN."""
-    block_size = k.shape[2]
-    pos = np.arange(int(length))
-    blocks, offsets = np.asarray(pages)[pos // block_size], pos % block_size
-    k[:, blocks, offsets] = rng.standard_normal((k.shape[0], len(pos), k.shape[3]))
-    v[:, blocks, offsets] = rng.standard_normal((k.shape[0], len(pos), k.shape[3]))
 
 
 def _np32(x):
@@ -104,10 +75,10 @@ def _decode_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, ext
         rng.integers(1, pages_per_seq * block_size + 1),                        # anything
     ])
     num_slots = len(lengths)
-    tables, num_blocks = _tables(rng, lengths, pages_per_seq, block_size)
-    k, v = _pool(num_kv_heads, num_blocks, block_size, head_dim)
+    tables, num_blocks = random_tables(rng, lengths, pages_per_seq, block_size)
+    k, v = nan_pool(num_kv_heads, num_blocks, block_size, head_dim)
     for i in range(num_slots):
-        _fill(rng, k, v, tables[i], lengths[i])
+        fill_pages(rng, k, v, tables[i], lengths[i])
     q = rng.standard_normal((num_slots, num_heads, head_dim))
 
     # Work list: non-empty slots only, handed over in shuffled order; the table rows are passed
@@ -219,10 +190,10 @@ def _prefill_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, ch
     rng = np.random.default_rng(seed)
     kv_lens = np.array([s + n for s, n in chunks])
     pages_per_seq = max(_cdiv(n, block_size) for n in kv_lens) + 1
-    tables, num_blocks = _tables(rng, kv_lens, pages_per_seq, block_size)
-    k, v = _pool(num_kv_heads, num_blocks, block_size, head_dim)
+    tables, num_blocks = random_tables(rng, kv_lens, pages_per_seq, block_size)
+    k, v = nan_pool(num_kv_heads, num_blocks, block_size, head_dim)
     for i, n in enumerate(kv_lens):
-        _fill(rng, k, v, tables[i], n)
+        fill_pages(rng, k, v, tables[i], n)
 
     tiles_per_chunk = [_cdiv(n, PREFILL_TILE) for _, n in chunks]
     num_tiles = sum(tiles_per_chunk) + extra_tiles
