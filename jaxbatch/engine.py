@@ -15,9 +15,12 @@ import time
 import jax
 import numpy as np
 
+from jaxbatch import compile_cache
 from jaxbatch.config import SchedulerConfig, next_power_of_two
+from jaxbatch.detokenizer import IncrementalDetokenizer
 from jaxbatch.kv_cache import blocks_for_budget
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.request import Sequence, SequenceStatus
@@ -41,6 +44,9 @@ class _RequestState:
     arrival_time: float
     seqs: list[Sequence]
     texts: list[str]
+    # One incremental detokenizer per completion (by index), made on its first token: decoding
+    # only the new tokens keeps text O(1) per token instead of re-decoding the whole output.
+    detoks: dict[int, IncrementalDetokenizer] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -53,12 +59,18 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, dtype: str = "auto",
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
-                 kv_cache_memory_bytes: int | None = None, warmup: bool | None = None,
+                 kv_cache_memory_bytes: int | None = None, warmup: bool = True,
+                 compilation_cache: bool = True,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
-        which is how static and continuous batching are compared on identical executables."""
+        which is how static and continuous batching are compared on identical executables.
+        `warmup` compiles every shape the scheduler can produce before the first request, so
+        nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
+        executable_dir = compile_cache.enable() if compilation_cache else None
         loaded = loaded or load_model(model, dtype)
+        # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
+        loaded.params = llama.stack_layers(loaded.params)
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -92,7 +104,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos)
         if runner is None:
-            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
+                                 executable_dir=executable_dir)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
                 max_num_seqs, num_blocks, block_size, max_model_len, chunk):
@@ -108,7 +121,7 @@ class LLMEngine:
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
         self.step_log: list[tuple[float, int, int, int]] = []
         self.warmup_seconds = 0.0
-        if warmup if warmup is not None else jax.default_backend() != "cpu":
+        if warmup and not self.runner.warmed_up:
             self.warmup()
 
     @staticmethod
@@ -254,25 +267,35 @@ class LLMEngine:
         return outputs
 
     def _apply_stop_strings(self, state: _RequestState, seq: Sequence) -> None:
+        """Decodes the sequence's new tokens (jaxbatch/detokenizer.py) and ends it at the first
+        stop string; its text is then cut before the stop string (the tokens stay)."""
         if self.tokenizer is None:
             return
-        text = self.tokenizer.decode(seq.output_token_ids,
-                                     skip_special_tokens=seq.params.skip_special_tokens)
-        if seq.params.stop and seq.status is not SequenceStatus.FINISHED_ABORTED:
-            hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-            if hits:
-                index, stop = min(hits)
-                text = text[:index]
-                if seq.is_finished:   # the same token also ended it by length or EOS
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                else:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
-        state.texts[seq.index] = text
+        detok = state.detoks.get(seq.index)
+        if detok is None:
+            detok = state.detoks[seq.index] = IncrementalDetokenizer(
+                self.tokenizer, seq.params.skip_special_tokens, seq.params.stop)
+        stop = detok.update(seq.output_token_ids, final=seq.is_finished)
+        if stop is not None and seq.status is not SequenceStatus.FINISHED_ABORTED:
+            if seq.is_finished:   # the same token also ended it by length or EOS
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+
+    def _text(self, state: _RequestState, seq: Sequence) -> str:
+        """Finished: the whole text (without the stop string). Running: the part that is safe
+        to stream, i.e. without the tail that could still begin a stop string."""
+        detok = state.detoks.get(seq.index)
+        if detok is None:
+            return state.texts[seq.index]
+        if seq.is_finished:
+            detok.update(seq.output_token_ids, final=True)   # aborted: flush what is left
+        return detok.output_text(seq.is_finished)
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         seqs = state.seqs
         completions = [CompletionOutput(
-            index=s.index, text=state.texts[s.index], token_ids=list(s.output_token_ids),
+            index=s.index, text=self._text(state, s), token_ids=list(s.output_token_ids),
             logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
         times = lambda attr: [getattr(s, attr) for s in seqs if getattr(s, attr) is not None]
@@ -297,6 +320,7 @@ class LLMEngine:
             "num_total_blocks": blocks.num_total_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.runner.num_compilations,
+            "num_compilations_after_warmup": len(self.runner.compilations_after_warmup),
             "num_steps": self.num_steps,
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,

@@ -1,4 +1,5 @@
-"""The paged KV pool on device: one (k_pages, v_pages) pair per layer, sized from a budget."""
+"""The paged KV pool on device: one (k_pages, v_pages) pair holding every layer (layer l's
+block b is row l * num_blocks + b; see `model/llama.py`), sized from a budget."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ def blocks_for_budget(cfg: ModelConfig, block_size: int, dtype, budget_bytes: in
 
 def allocate_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype):
     """Zeros, not jnp.empty: from jax 0.11 `empty` is uninitialised and a NaN in a masked slot
-    would poison a whole row of a matmul. Returns a tuple over layers of (k, v), each
-    [num_kv_heads, num_blocks, block_size, head_dim]."""
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+    would poison a whole row of a matmul. Returns (k, v), each
+    [num_kv_heads, num_layers * num_blocks, block_size, head_dim]."""
+    shape = (cfg.num_kv_heads, cfg.num_layers * num_blocks, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -2,6 +2,11 @@
 
 Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
 sequence draws the same noise alone or in any batch, and again after a preemption.
+
+Penalties and top-k logprobs are runtime branches (`lax.cond` on a flag computed by the host),
+not compile-time variants: one executable per shape serves every request, so nothing compiles
+mid-serving when the first request asking for them arrives, and a step where no row asks pays
+nothing for them.
 """
 from __future__ import annotations
 
@@ -30,23 +35,32 @@ class SamplingArrays:
     seed: jax.Array             # [N] u32
     position: jax.Array         # [N] i32
     banned: jax.Array           # [N, MAX_BANNED] i32, -1 = none
-    history: jax.Array          # [N, H] i32 prompt + output tokens, -1 padded (H = 1 if unused)
+    history: jax.Array          # [N, H] i32 prompt + output tokens, -1 padded (H = max_model_len)
     num_prompt: jax.Array       # [N] i32
+    any_penalties: jax.Array    # [] bool: some row has a penalty (and its history filled)
+    any_logprobs: jax.Array     # [] bool: some row wants top-k logprobs
 
 
-def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int) -> SamplingArrays:
-    """Host side: rows (None = empty slot, sampled greedily and ignored) -> numpy arrays."""
+def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
+                          unused_history=None) -> SamplingArrays:
+    """Host side: rows (None = empty slot, sampled greedily and ignored) -> numpy arrays.
+    `unused_history`: an [N, history_len] array of -1 to pass when no row has a penalty (the
+    runner keeps one on device per row count, so such steps transfer nothing for it)."""
     n = len(rows)
     f32 = lambda attr, default: np.array([getattr(r, attr) if r else default for r in rows], np.float32)
     banned = np.full((n, MAX_BANNED), -1, np.int32)
-    history = np.full((n, history_len), -1, np.int32)
+    any_penalties = any(r is not None and r.history for r in rows)
+    if any_penalties or unused_history is None:
+        history = np.full((n, history_len), -1, np.int32)
+    else:
+        history = unused_history
     for i, r in enumerate(rows):
         if r is None:
             continue
         if len(r.banned_token_ids) > MAX_BANNED:
             raise ValueError(f"at most {MAX_BANNED} EOS + stop_token_ids can be held back by min_tokens")
         banned[i, :len(r.banned_token_ids)] = r.banned_token_ids
-        if r.history and history_len > 1:
+        if r.history:
             history[i, :len(r.history)] = r.history
     return SamplingArrays(
         temperature=f32("temperature", 0.0), top_k=np.array([r.top_k if r else 0 for r in rows], np.int32),
@@ -55,7 +69,9 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int) -> S
         seed=np.array([(r.seed if r else 0) & 0xFFFFFFFF for r in rows], np.uint32),
         position=np.array([r.position if r else 0 for r in rows], np.int32),
         banned=banned, history=history,
-        num_prompt=np.array([r.num_prompt_tokens if r else 0 for r in rows], np.int32))
+        num_prompt=np.array([r.num_prompt_tokens if r else 0 for r in rows], np.int32),
+        any_penalties=np.bool_(any_penalties),
+        any_logprobs=np.bool_(any(r is not None and r.logprobs for r in rows)))
 
 
 def _apply_penalties(logits, s: SamplingArrays):
@@ -100,14 +116,14 @@ def _random_choice(processed, s: SamplingArrays):
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits, s: SamplingArrays, use_penalties: bool, with_top_logprobs: bool = True):
+def sample(logits, s: SamplingArrays):
     """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]),
-    K = MAX_LOGPROBS, or 0 without `with_top_logprobs` (a top-k over the vocabulary is a
-    visible part of a CPU decode step, so it is compiled in only when a request asks).
+    K = MAX_LOGPROBS; the top-k is computed only when some row asks (a top-k over the
+    vocabulary is a visible part of a CPU decode step), zeros otherwise.
 
     Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    processed = _apply_penalties(logits, s) if use_penalties else logits
+    processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     n = logits.shape[0]
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.banned.shape)
     processed = processed.at[rows, jnp.where(s.banned >= 0, s.banned, 0)].min(
@@ -117,10 +133,19 @@ def sample(logits, s: SamplingArrays, use_penalties: bool, with_top_logprobs: bo
     sampled = jax.lax.cond(all_greedy, lambda p, s_: greedy, _random_choice, processed, s)
     tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    if not with_top_logprobs:
-        return tokens, token_logprob, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
-    return tokens, token_logprob, top_ids.astype(jnp.int32), top_logprobs
+    top_ids, top_logprobs = jax.lax.cond(s.any_logprobs, _top_logprobs, _no_top_logprobs,
+                                         raw_logprobs)
+    return tokens, token_logprob, top_ids, top_logprobs
+
+
+def _top_logprobs(raw):
+    values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    return ids.astype(jnp.int32), values
+
+
+def _no_top_logprobs(raw):
+    n = raw.shape[0]
+    return jnp.zeros((n, MAX_LOGPROBS), jnp.int32), jnp.zeros((n, MAX_LOGPROBS), jnp.float32)
 
 
 def prompt_logprobs(logits, next_tokens):
@@ -128,5 +153,6 @@ def prompt_logprobs(logits, next_tokens):
     top ids [C, K], top logprobs [C, K])."""
     raw = jax.nn.log_softmax(logits, axis=-1)
     target = jnp.take_along_axis(raw, jnp.maximum(next_tokens, 0)[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
-    return target, top_ids.astype(jnp.int32), top_lp
+    top_ids, top_lp = _top_logprobs(raw)
+    return target, top_ids, top_lp
+

@@ -18,9 +18,9 @@ jobs on the machine hits all of them alike; figures are medians over rounds.
              MLP, logits, argmax): the matmul floor
   attention  floor - matmuls: dense attention over the contexts
   paging     engine forward with paged KV (write through slot mapping, gather pages) - floor
-  sampling   the engine's compiled decode executable (sampler: greedy/random branch, the
-             token's logprob; no top-k, as no request asks for logprobs) - the same paged
-             forward ending in a plain argmax
+  sampling   the engine's two compiled calls of a decode step (model call, then the sampler:
+             greedy/random branch, the token's logprob; no top-k, as no request asks for
+             logprobs) - the same paged forward ending in a plain argmax
   host       engine.step() wall time - the compiled executable: building the step's arrays,
              dispatch, reading tokens back, scheduler planning and update, outputs
 """
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch import SamplingParams
-from jaxbatch import attention, runner as runner_mod
+from jaxbatch import attention, runner as runner_mod, sampler
 from jaxbatch.engine import LLMEngine
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
@@ -70,7 +70,8 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     lengths = positions + 1
     x = params["embed"][tokens]
     new_caches = []
-    for layer, (k_cache, v_cache) in zip(params["layers"], caches):
+    layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.num_layers)]
+    for layer, (k_cache, v_cache) in zip(layers, caches):
         h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q = (h @ layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
         k = (h @ layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
@@ -140,10 +141,11 @@ def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
 def build_pieces(engine, plan, slots, ctx):
     """The engine's decode executable and the floor's pieces, on the inputs of `plan`."""
     runner, cfg = engine.runner, engine.model_config
-    call = runner._decode_call(plan)
+    call = runner.layout.decode_call(plan)
     # --slots is a power of two (main checks), so the decode call has exactly `slots` rows.
     assert call.key[1] == slots, f"--slots {slots}: use a power of two (the runner pads rows to one)"
-    tokens, positions, slot_mapping, meta, samp = call.args
+    tokens, positions, slot_mapping, meta = call.args
+    samp = runner._sampling_arrays(call.rows)
     params, inv_freq = runner.params, runner._inv_freq
     dev = tuple(jax.tree.map(jnp.asarray, (tokens, positions, slot_mapping, meta)))
     tokens, positions = dev[0], dev[1]
@@ -153,10 +155,16 @@ def build_pieces(engine, plan, slots, ctx):
     shape = (slots, ctx, cfg.num_kv_heads, cfg.head_dim)
     dense = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
-    engine_exe = jax.jit(functools.partial(runner_mod._decode_step, cfg=cfg, backend=runner.backend,
-                                           inv_freq=inv_freq, use_penalties=False,
-                                           with_top_logprobs=False),
-                         donate_argnums=(1,))
+    # The engine's two dispatches of a decode step: the model call, then the sampler.
+    forward = jax.jit(functools.partial(runner_mod._decode_forward, cfg=cfg,
+                                        backend=runner.backend, inv_freq=inv_freq),
+                      donate_argnums=(1,))
+    sample = jax.jit(sampler.sample)
+
+    def engine_exe(params, pool, *args):
+        *inputs, samp_arrays = args
+        logits, pool = forward(params, pool, *inputs)
+        return sample(logits, samp_arrays), pool
     paged = jax.jit(functools.partial(paged_greedy, cfg=cfg, inv_freq=inv_freq,
                                       backend=runner.backend), donate_argnums=(1,))
     floor = jax.jit(functools.partial(dense_decode, cfg=cfg, inv_freq=inv_freq),

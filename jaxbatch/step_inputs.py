@@ -1,0 +1,241 @@
+"""Host side of the runner: which shape buckets exist, and how a `StepPlan` is laid out as the
+numpy arrays of each compiled call. No device work happens here.
+
+An engine step makes at most two kinds of model call:
+  decode   one token for each decoding sequence, rows padded to a power of two (at most
+           next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
+           rows, so a half-empty slot array should not pay for the empty half.
+           Attention inputs are padded to a bucket: the total pages in use (xla work items) or
+           the longest block table (pallas, reference).
+  prefill  the step's prefill chunks packed into one call (more only when they overflow the
+           largest token bucket or MAX_CHUNKS_PER_CALL), tokens and pages padded to buckets.
+Buckets are powers of two, so the set of shapes is small and known (`bucket_shapes`).
+Block ids in every array are layer 0's; the model shifts them per layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxbatch.config import SchedulerConfig, next_power_of_two
+from jaxbatch.plan import PrefillChunk, SamplingRow, StepPlan, pad_block_table
+from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
+                                                num_decode_items)
+
+MIN_PREFILL_BUCKET = 16
+MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
+MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
+assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
+
+
+@dataclasses.dataclass
+class ModelCall:
+    """One model call: its bucket key, its step inputs (params and pool are added at dispatch),
+    the sampling row of each sampled row, and, for prefill, where each chunk sits."""
+    key: tuple                       # ("decode", rows, items or pages) | ("prefill", tokens, pages)
+    args: tuple
+    rows: list[SamplingRow | None]
+    chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
+    targets: np.ndarray | None = None   # prefill: the token after each position, -1 if none
+    want_prompt_logprobs: bool = False
+
+
+class StepLayout:
+    def __init__(self, cfg: SchedulerConfig, work_lists: bool, chunks_per_call: int):
+        """`work_lists`: the xla backend's decode work items and prefill query tiles, instead
+        of block tables and the ragged (cu_q_lens, kv_lens, page_indices, num_seqs) contract."""
+        self.cfg = cfg
+        self.work_lists = work_lists
+        self.chunks_per_call = chunks_per_call
+
+    # ---- buckets -------------------------------------------------------------------------
+    @property
+    def max_page_bucket(self) -> int:
+        return next_power_of_two(self.cfg.max_pages_per_seq)
+
+    def page_bucket(self, num_pages: int) -> int:
+        return min(next_power_of_two(max(1, num_pages)), self.max_page_bucket)
+
+    @property
+    def max_items_per_seq(self) -> int:
+        return -(-self.cfg.max_pages_per_seq // PAGES_PER_ITEM)
+
+    @property
+    def max_decode_items(self) -> int:
+        return next_power_of_two(self.cfg.max_num_seqs * self.max_items_per_seq)
+
+    def decode_item_bucket(self, num_items: int) -> int:
+        return min(next_power_of_two(num_items), self.max_decode_items)
+
+    def decode_row_bucket(self, num_decodes: int) -> int:
+        return min(next_power_of_two(num_decodes), next_power_of_two(self.cfg.max_num_seqs))
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Largest packed prefill call: what the token budget allows, kept to a size whose
+        attention scores fit comfortably, but never below one whole chunk."""
+        budget_pow2 = 1 << (self.cfg.max_num_batched_tokens.bit_length() - 1)
+        return max(MIN_PREFILL_BUCKET, self.cfg.prefill_chunk_size,
+                   min(budget_pow2, MAX_PREFILL_BUCKET))
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        return min(max(MIN_PREFILL_BUCKET, next_power_of_two(num_tokens)), self.max_prefill_tokens)
+
+    def prefill_page_bucket(self, tokens_bucket: int, num_pages: int) -> int:
+        """At least the pages the call's tokens would span: a few more keys for calls packing
+        short prompts, and half as many (tokens, pages) executables to compile."""
+        return self.page_bucket(max(num_pages, tokens_bucket // self.cfg.block_size))
+
+    def decode_row_buckets(self) -> list[int]:
+        last = self.decode_row_bucket(self.cfg.max_num_seqs)
+        return [1 << i for i in range(last.bit_length())]
+
+    def prefill_token_buckets(self) -> list[int]:
+        t, out = MIN_PREFILL_BUCKET, []
+        while t <= self.max_prefill_tokens:
+            out.append(t)
+            t *= 2
+        return out
+
+    def bucket_shapes(self) -> list[tuple]:
+        """Every model-call shape the scheduler can produce with these settings, whatever the
+        requests ask for (penalties and logprobs are runtime branches, not shapes)."""
+        page_buckets = [1 << i for i in range(self.max_page_bucket.bit_length())]
+        shapes = []
+        for rows in self.decode_row_buckets():
+            if self.work_lists:
+                # n rows in (rows/2, rows] need between n and n * max_items_per_seq items.
+                size = self.decode_item_bucket(rows)
+                while size <= self.decode_item_bucket(rows * self.max_items_per_seq):
+                    shapes.append(("decode", rows, size))
+                    size *= 2
+            else:
+                shapes += [("decode", rows, p) for p in page_buckets]
+        for t in self.prefill_token_buckets():
+            shapes += [("prefill", t, p) for p in page_buckets
+                       if p == self.prefill_page_bucket(t, p)]
+        return shapes
+
+    # ---- decode --------------------------------------------------------------------------
+    def decode_call(self, plan: StepPlan) -> ModelCall:
+        """Decoding sequences take rows 0..n-1 in plan order; padding rows write into the null
+        block and have length 0."""
+        bs = self.cfg.block_size
+        b = self.decode_row_bucket(len(plan.decodes))
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        slot_mapping = np.zeros(b, np.int32)
+        lengths = np.zeros(b, np.int32)             # 0 = padding row
+        rows: list[SamplingRow | None] = [None] * b
+        for i, d in enumerate(plan.decodes):
+            tokens[i] = d.token_id
+            positions[i] = d.position
+            slot_mapping[i] = d.block_table[d.position // bs] * bs + d.position % bs
+            lengths[i] = d.position + 1
+            rows[i] = plan.sampling[d.seq_id]
+        if self.work_lists:
+            items = self.decode_item_bucket(num_decode_items(lengths, bs))
+            meta = decode_work_items([(i, d.block_table, d.position + 1)
+                                      for i, d in enumerate(plan.decodes)], b, bs, items) + (lengths,)
+            size = items
+        else:
+            size = self.page_bucket(max(len(d.block_table) for d in plan.decodes))
+            tables = np.zeros((b, size), np.int32)
+            for i, d in enumerate(plan.decodes):
+                tables[i] = pad_block_table(d.block_table, size)
+            meta = (tables, lengths)
+        return ModelCall(("decode", b, size), (tokens, positions, slot_mapping, meta), rows)
+
+    # ---- prefill -------------------------------------------------------------------------
+    def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """Greedy, in plan order: chunks join a call while its padded tokens fit."""
+        align = PREFILL_TILE if self.work_lists else 1
+        calls, current, used = [], [], 0
+        for chunk in chunks:
+            size = -(-len(chunk.token_ids) // align) * align
+            if current and (used + size > self.max_prefill_tokens
+                            or len(current) == self.chunks_per_call):
+                calls.append(current)
+                current, used = [], 0
+            current.append(chunk)
+            used += size
+        return calls + ([current] if current else [])
+
+    def prefill_call(self, chunks: list[PrefillChunk], plan: StepPlan,
+                     next_tokens: dict[int, int]) -> ModelCall:
+        """`next_tokens[seq_id]`: the token after a chunk (for prompt logprobs), -1 if none."""
+        bs = self.cfg.block_size
+        align = PREFILL_TILE if self.work_lists else 1
+        q_starts, used = [], 0
+        for chunk in chunks:
+            q_starts.append(used)
+            used += -(-len(chunk.token_ids) // align) * align
+        t = self.prefill_bucket(used)
+        max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
+        pages = self.prefill_page_bucket(t, max_pages)
+        s = self.chunks_per_call
+
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        query_pos = np.full(t, -1, np.int32)         # -1: padding, attends to nothing
+        slot_mapping = np.zeros(t, np.int32)         # padding writes into the null block
+        targets = np.full(t, -1, np.int32)
+        sample_index = np.zeros(s, np.int32)
+        rows: list[SamplingRow | None] = [None] * s
+        tables = np.zeros((s, pages), np.int32)
+        for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+            n, end = len(chunk.token_ids), chunk.start + len(chunk.token_ids)
+            table = pad_block_table(chunk.block_table, pages)
+            span = slice(q0, q0 + n)
+            tokens[span] = chunk.token_ids
+            positions[span] = query_pos[span] = np.arange(chunk.start, end)
+            slot_mapping[span] = table[positions[span] // bs] * bs + positions[span] % bs
+            targets[q0:q0 + n - 1] = chunk.token_ids[1:]
+            targets[q0 + n - 1] = next_tokens.get(chunk.seq_id, -1)
+            sample_index[i] = q0 + n - 1
+            tables[i] = table
+            if chunk.sample:
+                rows[i] = plan.sampling[chunk.seq_id]
+        if self.work_lists:
+            # Every tile of a chunk carries its sequence's block table.
+            tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32)     # [T / tile, P]
+            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+                last = q0 + len(chunk.token_ids) - 1
+                tile_pages[q0 // PREFILL_TILE:last // PREFILL_TILE + 1] = tables[i]
+            meta = (query_pos, tile_pages)
+        else:
+            # The ragged contract: chunks packed back to back (align = 1 here).
+            kv_lens = np.zeros(s, np.int32)
+            cu_q_lens = np.zeros(s + 1, np.int32)
+            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
+                kv_lens[i] = chunk.start + len(chunk.token_ids)
+                cu_q_lens[i + 1:] = q0 + len(chunk.token_ids)
+            meta = (kv_lens, tables, cu_q_lens, np.array([len(chunks)], np.int32))
+        return ModelCall(("prefill", t, pages), (tokens, positions, slot_mapping, meta, sample_index),
+                         rows, chunks=list(chunks), q_starts=q_starts, targets=targets,
+                         want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks))
+
+    # ---- warm-up -------------------------------------------------------------------------
+    def placeholder_call(self, kind: str, a: int, b: int) -> ModelCall:
+        """A call of the given bucket on inputs that touch nothing: every token writes into and
+        reads from the null block, and every length is 0."""
+        if kind == "decode":
+            rows, size = a, b                          # size: work items (xla) or pages
+            zeros = np.zeros(rows, np.int32)
+            if self.work_lists:
+                meta = (np.full(size, rows, np.int32),                  # every item is padding
+                        np.zeros((size, PAGES_PER_ITEM), np.int32), np.zeros(size, np.int32), zeros)
+            else:
+                meta = (np.zeros((rows, size), np.int32), zeros)
+            return ModelCall((kind, rows, size), (zeros, zeros, zeros, meta), [None] * rows)
+        tokens, pages = a, b
+        s, zeros = self.chunks_per_call, np.zeros(tokens, np.int32)
+        if self.work_lists:
+            meta = (np.full(tokens, -1, np.int32), np.zeros((tokens // PREFILL_TILE, pages), np.int32))
+        else:
+            meta = (np.zeros(s, np.int32), np.zeros((s, pages), np.int32),
+                    np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
+        return ModelCall((kind, tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
+                         [None] * s, targets=np.full(tokens, -1, np.int32))

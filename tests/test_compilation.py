@@ -1,0 +1,135 @@
+"""Nothing compiles while serving: warm-up covers every shape and sampling feature, a miss is
+counted and logged, the pool is updated in place, and a second start loads executables."""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from jaxbatch import SamplingParams
+from jaxbatch.engine import LLMEngine
+from jaxbatch.model.loader import LoadedModel
+from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
+
+SOAK_SEED = 20261129
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=7))
+    return LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0, from_cache=False)
+
+
+def _random_params(rng, i, prompt_len, max_len):
+    """Every feature that used to be a compile-time variant, mixed at random."""
+    roll = rng.random(6)
+    max_tokens = int(max(1, min(rng.geometric(1 / 12), max_len - prompt_len - 1)))
+    return SamplingParams(
+        n=int(rng.choice([1, 1, 1, 2])),
+        temperature=float(rng.choice([0.0, 0.7, 1.0])), seed=i,
+        top_k=int(rng.choice([0, 0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+        min_p=float(rng.choice([0.0, 0.05])),
+        presence_penalty=0.5 if roll[0] < 0.2 else 0.0,
+        frequency_penalty=0.3 if roll[1] < 0.2 else 0.0,
+        repetition_penalty=1.2 if roll[2] < 0.2 else 1.0,
+        logprobs=int(rng.integers(0, 5)) if roll[3] < 0.3 else None,
+        prompt_logprobs=int(rng.integers(0, 3)) if roll[4] < 0.15 else None,
+        min_tokens=min(2, max_tokens) if roll[5] < 0.2 else 0,
+        stop_token_ids=[int(rng.integers(3, 256))] if roll[5] > 0.8 else None,
+        max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_500_request_random_soak_compiles_nothing_after_warmup(tiny):
+    engine = LLMEngine(loaded=tiny, max_num_seqs=8, max_model_len=256, prefill_chunk_size=64,
+                       compilation_cache=False)
+    compiled = engine.stats()["num_compilations"]
+    assert engine.runner.warmed_up and compiled == len(engine.runner.bucket_shapes())
+    rng = np.random.default_rng(SOAK_SEED)
+    lengths = np.minimum(rng.geometric(1 / 40, size=500), 220)
+    prompts = random_token_prompts(rng, lengths)
+    pending = list(enumerate(prompts))
+    finished, aborted = set(), set()
+    while pending or engine.has_unfinished_requests():
+        # Requests arrive a few at a time while others run, and some are aborted mid-flight.
+        for _ in range(int(rng.integers(0, 4))):
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, _random_params(rng, i, len(p), 256))
+        if rng.random() < 0.02 and engine.has_unfinished_requests():
+            victim = next(iter(engine._requests))
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finished
+                finished.add(out.request_id)
+    assert len(finished) == 500
+    stats = engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0, engine.runner.compilations_after_warmup
+    assert stats["num_compilations"] == compiled
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_shape_missed_by_warmup_is_counted_and_logged(tiny, caplog):
+    engine = LLMEngine(loaded=tiny, max_num_seqs=4, max_model_len=64, compilation_cache=False)
+    # Pretend the buckets forgot 3-row decode calls: the runner must notice, not hide it.
+    real = engine.runner.layout.decode_row_bucket
+    engine.runner.layout.decode_row_bucket = lambda n: 3 if n == 3 else real(n)
+    for i in range(3):
+        engine.add_request(str(i), [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.runner"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.stats()["num_compilations_after_warmup"] >= 1
+    assert any("after warm-up" in r.message and "'decode', 3" in r.message for r in caplog.records)
+
+
+def _pool_aliases(hlo_text: str) -> list[int]:
+    header = hlo_text.splitlines()[0]
+    aliases = re.search(r"input_output_alias=\{(.*?)\}, entry", header)
+    return [int(p) for p in re.findall(r"\((\d+), \{\}", aliases.group(1))] if aliases else []
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_compiled_model_calls_update_the_pool_in_place(tiny, backend):
+    """The pool goes in donated and comes back aliased to its input buffers, and no
+    instruction of the compiled step copies a pool-sized array."""
+    engine = LLMEngine(loaded=tiny, max_num_seqs=2, max_model_len=64, attention_backend=backend,
+                       warmup=False, compilation_cache=False)
+    runner = engine.runner
+    pool_shape = "f32[" + ",".join(str(d) for d in runner.pool[0].shape) + "]"
+    num_param_leaves = len(__import__("jax").tree.leaves(runner.params))
+    keys = [k for k in runner.layout.bucket_shapes()]
+    for key in (keys[0], keys[-1]):                          # a decode and a prefill call
+        text = runner._lower(key, runner._example_args(key)).compile().as_text()
+        assert sorted(_pool_aliases(text)) == [num_param_leaves, num_param_leaves + 1], key
+        copies = [line for line in text.splitlines()
+                  if re.search(r"= " + re.escape(pool_shape) + r"\{[^}]*\} copy\(", line)]
+        assert not copies, (key, copies[:3])
+
+
+def test_second_start_loads_every_executable_from_the_store(tiny, tmp_path):
+    from jaxbatch.runner import ModelRunner
+    settings = dict(max_num_seqs=2, max_model_len=64, compilation_cache=False, warmup=False)
+    first = LLMEngine(loaded=tiny, **settings)
+    runner_args = (tiny.config, tiny.params, first.config, np.float32, "xla")
+    cold = ModelRunner(*runner_args, executable_dir=str(tmp_path))
+    cold.warmup()
+    assert cold.warmup_report["compiled"] == len(cold.bucket_shapes())
+    warm = ModelRunner(*runner_args, executable_dir=str(tmp_path))
+    warm.warmup()
+    assert warm.warmup_report["from_store"] == len(warm.bucket_shapes())
+    assert warm.warmup_report["compiled"] == 0
+    outputs = []
+    for runner in (cold, warm):
+        engine = LLMEngine(loaded=tiny, runner=runner, **settings)
+        engine.add_request("a", [9, 8, 7, 6], SamplingParams(temperature=0.8, seed=1, max_tokens=6,
+                                                            logprobs=2))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs.append((out.outputs[0].token_ids, out.outputs[0].logprobs))
+        assert engine.stats()["num_compilations_after_warmup"] == 0
+    assert outputs[0] == outputs[1]
