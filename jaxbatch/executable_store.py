@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 # The code that ends up inside an executable (folders: every .py file in them).
 _TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "jaxbatch/attention.py",
-                   "jaxbatch/sampler.py", "jaxbatch/runner.py", "jaxbatch/step_inputs.py",
-                   "jaxbatch/kv_cache.py", "jaxbatch/config.py", "jaxbatch/plan.py")
+                   "jaxbatch/sampler.py", "jaxbatch/sampling_params.py", "jaxbatch/runner.py",
+                   "jaxbatch/step_inputs.py", "jaxbatch/kv_cache.py", "jaxbatch/config.py",
+                   "jaxbatch/plan.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,10 +45,16 @@ def source_hash() -> str:
 
 
 def fingerprint(*parts) -> str:
+    """Everything besides the bucket that changes what gets compiled: versions, device, the
+    traced source, the settings JAX and XLA compile under, and the caller's `parts`."""
     import jaxlib
     device = jax.devices()[0]
+    compile_settings = (os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64,
+                        str(jax.config.jax_default_matmul_precision),
+                        getattr(device.client, "platform_version", ""))
     text = repr((jax.__version__, jaxlib.__version__, device.platform,
-                 getattr(device, "device_kind", ""), source_hash()) + tuple(parts))
+                 getattr(device, "device_kind", ""), source_hash(), compile_settings)
+                + tuple(parts))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

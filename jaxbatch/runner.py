@@ -95,11 +95,7 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[tuple]:
         """Every key the scheduler can make this runner execute."""
-        lay = self.layout
-        return (lay.bucket_shapes()
-                + [("sample", n) for n in sorted(set(lay.decode_row_buckets())
-                                                 | {lay.chunks_per_call})]
-                + [("prompt_logprobs", t) for t in lay.prefill_token_buckets()])
+        return self.layout.executable_keys()
 
     # ---- executables ---------------------------------------------------------------------
     def _lower(self, key: tuple, args):
@@ -184,7 +180,7 @@ class ModelRunner:
         with the GIL released)."""
         start = time.perf_counter()
         missing = [key for key in self.bucket_shapes() if key not in self._executables]
-        workers = max_workers or os.cpu_count() or 1
+        workers = max_workers or _compile_threads()
         with concurrent.futures.ThreadPoolExecutor(workers) as threads:
             if self.store is not None:
                 stored = list(threads.map(self.store.load, missing))
@@ -209,6 +205,16 @@ class ModelRunner:
             "threads": workers}
         self.warmed_up = True
         return elapsed
+
+
+def _compile_threads() -> int:
+    """A thread per core we may use (affinity, not the host's count), at most 8 (each compile
+    holds its own memory). One on a GPU: XLA times candidate kernels while compiling, and
+    concurrent compiles would skew what it picks."""
+    if jax.default_backend() != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
 
 
 def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:

@@ -118,6 +118,13 @@ class StepLayout:
                        if p == self.prefill_page_bucket(t, p)]
         return shapes
 
+    def executable_keys(self) -> list[tuple]:
+        """The model calls' shapes, then the sampler's ("sample", rows: a decode row bucket or
+        a prefill call's `chunks_per_call`) and ("prompt_logprobs", prefill tokens)."""
+        sample_rows = sorted(set(self.decode_row_buckets()) | {self.chunks_per_call})
+        return (self.bucket_shapes() + [("sample", n) for n in sample_rows]
+                + [("prompt_logprobs", t) for t in self.prefill_token_buckets()])
+
     # ---- decode --------------------------------------------------------------------------
     def decode_call(self, plan: StepPlan) -> ModelCall:
         """Decoding sequences take rows 0..n-1 in plan order; padding rows write into the null

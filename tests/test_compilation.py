@@ -122,6 +122,12 @@ def test_second_start_loads_every_executable_from_the_store(tiny, tmp_path):
     warm.warmup()
     assert warm.warmup_report["from_store"] == len(warm.bucket_shapes())
     assert warm.warmup_report["compiled"] == 0
+    # Other settings must not be served these executables, even for a key both can make.
+    import dataclasses
+    other_cfg = dataclasses.replace(first.config, max_model_len=48)
+    other = ModelRunner(tiny.config, tiny.params, other_cfg, np.float32, "xla",
+                        executable_dir=str(tmp_path))
+    assert other.store.load(("sample", 1)) is None and warm.store.load(("sample", 1)) is not None
     outputs = []
     for runner in (cold, warm):
         engine = LLMEngine(loaded=tiny, runner=runner, **settings)

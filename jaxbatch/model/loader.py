@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.llama import stack_layers
 from jaxbatch.model.weights import params_from_hf_state
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -183,5 +184,8 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
                 pass  # a read-only home must not stop the model from loading
     cfg = ModelConfig.from_hf_dict(hf_config)
     real_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    # Layers stacked on the host, before the device copy: stacking device arrays would hold
+    # the weights twice in device memory for a moment.
+    params = stack_layers(jax.tree.map(np.asarray, params))
     params = jax.tree.map(lambda a: jnp.asarray(a, _DTYPES[real_dtype]), params)
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

@@ -1,0 +1,80 @@
+"""Warm-up covers every call the layout can make: boundary plans (fewest and most rows, shortest
+and longest contexts, smallest and largest chunks) for each layout, checked against the keys
+`executable_keys` lists. Host only: no device work, no compilation."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jaxbatch.config import SchedulerConfig
+from jaxbatch.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan
+from jaxbatch.step_inputs import StepLayout
+
+CONFIGS = [
+    # max_num_seqs and max_model_len that are not powers of two, and a roomy one.
+    SchedulerConfig(max_num_seqs=5, block_size=16, num_blocks=200, max_model_len=300,
+                    max_num_batched_tokens=5 + 64, prefill_chunk_size=64),
+    SchedulerConfig(max_num_seqs=8, block_size=8, num_blocks=600, max_model_len=512,
+                    max_num_batched_tokens=2048, prefill_chunk_size=256),
+]
+
+
+def _row(seq_id, position):
+    return SamplingRow(seq_id, 0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, position, 1, [], [], None)
+
+
+def _table(cfg, num_tokens):
+    return list(range(1, -(-num_tokens // cfg.block_size) + 1))
+
+
+def _decode_plans(cfg):
+    for n in range(1, cfg.max_num_seqs + 1):
+        for positions in ([0] * n, [cfg.max_model_len - 1] * n,
+                          [0] * (n - 1) + [cfg.max_model_len - 1]):
+            decodes = [DecodeEntry(i, i, 5, p, _table(cfg, p + 1)) for i, p in enumerate(positions)]
+            yield StepPlan(0, [], decodes, {i: _row(i, p) for i, p in enumerate(positions)})
+
+
+def _prefill_plans(cfg, chunks_per_call):
+    chunk = cfg.prefill_chunk_size
+    for k in range(1, chunks_per_call + 1):
+        for size, at_end in itertools.product((1, chunk // 2 + 1, chunk), (False, True)):
+            start = cfg.max_model_len - size - 1 if at_end else 0
+            chunks = [PrefillChunk(i, [7] * size, start, _table(cfg, start + size), True,
+                                   1 if i == 0 else None) for i in range(k)]
+            yield StepPlan(0, chunks, [], {i: _row(i, start + size) for i in range(k)})
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["odd_sizes", "roomy"])
+@pytest.mark.parametrize("work_lists,chunks_per_call", [(True, 8), (False, 8), (False, 1)])
+def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, work_lists, chunks_per_call):
+    layout = StepLayout(cfg, work_lists, chunks_per_call)
+    keys = set(layout.executable_keys())
+    assert len(keys) == len(layout.executable_keys()), "a key is listed twice"
+    seen = set()
+    for plan in _decode_plans(cfg):
+        call = layout.decode_call(plan)
+        seen |= {call.key, ("sample", len(call.rows))}
+    for plan in _prefill_plans(cfg, chunks_per_call):
+        for group in layout.pack_prefills(plan.prefills):
+            call = layout.prefill_call(group, plan, {})
+            seen |= {call.key, ("sample", len(call.rows)), ("prompt_logprobs", call.key[1])}
+            assert call.want_prompt_logprobs == any(c.prompt_logprobs is not None for c in group)
+    missing = seen - keys
+    assert not missing, f"calls with no warmed executable: {sorted(missing)}"
+
+
+def test_placeholder_calls_have_the_shapes_of_real_calls():
+    cfg = CONFIGS[0]
+    for work_lists in (True, False):
+        layout = StepLayout(cfg, work_lists, 8)
+        plan = next(_decode_plans(cfg))
+        real = layout.decode_call(plan)
+        fake = layout.placeholder_call(*real.key)
+        shapes = lambda call: [getattr(a, "shape", None) for a in
+                               __import__("jax").tree.leaves(call.args)]
+        assert shapes(real) == shapes(fake)
+        plan = next(_prefill_plans(cfg, 8))
+        real = layout.prefill_call(plan.prefills, plan, {})
+        assert shapes(real) == shapes(layout.placeholder_call(*real.key))
