@@ -1,9 +1,12 @@
-"""Compiled code kept across runs, on by default, next to the converted weights.
+"""JAX's persistent compilation cache, on by default, next to the converted weights.
 
-Two layers: JAX's persistent compilation cache (keyed by JAX on the lowered HLO, the compile
-options and the backend: it still needs every function traced), and under it our executable
-store (`executable_store.py`), which skips tracing too. Turn both off with
-`LLM(..., compilation_cache=False)` or `JAXBATCH_COMPILATION_CACHE=0`.
+A second start of the same model and settings then reads every executable from disk instead of
+compiling it. JAX keys it on the lowered HLO, the compile options, the backend and the jax
+version, so a changed model, setting or version simply misses. Each function is still traced
+and lowered at start (that is what the key is computed from). We tried storing serialized
+executables ourselves to skip that too: on XLA:CPU (jax 0.10.2) a deserialized executable can
+fail at run time ("Function wrapped_iota not found"), so only JAX's own cache is used.
+Turn it off with `LLM(..., compilation_cache=False)` or `JAXBATCH_COMPILATION_CACHE=0`.
 """
 from __future__ import annotations
 
@@ -17,9 +20,8 @@ _enabled_dir: str | None = None
 
 
 def enable(directory: str | None = None) -> str | None:
-    """Points JAX at `directory` (default `<cache root>/xla`); returns the executable store's
-    directory beside it, or None when the environment switches caching off. The first call
-    wins: JAX reads the setting once."""
+    """Points JAX at `directory` (default `<cache root>/xla`) and returns it, or None when the
+    environment switches the cache off. The first call wins: JAX reads the setting once."""
     global _enabled_dir
     if os.environ.get("JAXBATCH_COMPILATION_CACHE", "1") == "0":
         return None
@@ -31,5 +33,5 @@ def enable(directory: str | None = None) -> str | None:
     # Every executable counts: ours compile in about a second each, below JAX's default floor.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _enabled_dir = os.path.join(os.path.dirname(directory), "executables")
-    return _enabled_dir
+    _enabled_dir = directory
+    return directory

@@ -67,7 +67,8 @@ class LLMEngine:
         which is how static and continuous batching are compared on identical executables.
         `warmup` compiles every shape the scheduler can produce before the first request, so
         nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
-        executable_dir = compile_cache.enable() if compilation_cache else None
+        if compilation_cache:
+            compile_cache.enable()
         loaded = loaded or load_model(model, dtype)
         # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
         loaded.params = llama.stack_layers(loaded.params)
@@ -104,8 +105,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos)
         if runner is None:
-            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
-                                 executable_dir=executable_dir)
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
                 max_num_seqs, num_blocks, block_size, max_model_len, chunk):

@@ -8,8 +8,8 @@ Each engine step dispatches, without reading anything back in between:
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
 Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front, in
-parallel, or loads them from the executable store; a compilation after warm-up is logged and
-counted as a bug (`compilations_after_warmup`).
+parallel (or loads them from JAX's persistent compilation cache: `compile_cache.py`); a
+compilation after warm-up is logged and counted as a bug (`compilations_after_warmup`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import numpy as np
 
 from jaxbatch import attention, kv_cache, sampler
 from jaxbatch.config import SchedulerConfig
-from jaxbatch.executable_store import ExecutableStore, fingerprint
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.rope import inverse_frequencies
@@ -58,8 +57,7 @@ def _prompt_logprobs_step(params, hidden, targets):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
-                 attention_backend: str = "auto", executable_dir: str | None = None):
-        """`executable_dir`: where compiled executables are stored between runs (None: nowhere)."""
+                 attention_backend: str = "auto"):
         self.model_cfg = model_cfg
         self.cfg = sched_cfg
         self.params = llama.stack_layers(params)
@@ -80,10 +78,6 @@ class ModelRunner:
         self._executables: dict[tuple, object] = {}
         self._unused_history: dict[int, jax.Array] = {}
         self.compile_seconds = 0.0
-        self.store = None
-        if executable_dir is not None:
-            self.store = ExecutableStore(executable_dir, fingerprint(
-                model_cfg, sched_cfg, jnp.dtype(dtype).name, self.backend, chunks_per_call))
         # Set by `warmup`: from then on a compilation means a shape the buckets missed.
         self.warmed_up = False
         self.warmup_report: dict = {}
@@ -175,34 +169,22 @@ class ModelRunner:
 
     # ---- warm-up -------------------------------------------------------------------------
     def warmup(self, max_workers: int | None = None) -> float:
-        """Makes every key executable without running any: loaded from the store, or lowered
-        one by one (tracing holds the GIL) and compiled on a thread per core (XLA compiles
-        with the GIL released)."""
+        """Makes every key executable without running any: lowered one by one (tracing holds
+        the GIL), then compiled on a thread per core (XLA compiles with the GIL released;
+        with the persistent cache on, a compile is a cache read)."""
         start = time.perf_counter()
         missing = [key for key in self.bucket_shapes() if key not in self._executables]
+        lowered = [self._lower(key, self._example_args(key)) for key in missing]
+        lowered_at = time.perf_counter()
         workers = max_workers or _compile_threads()
         with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-            if self.store is not None:
-                stored = list(threads.map(self.store.load, missing))
-                for key, exe in zip(missing, stored):
-                    if exe is not None:
-                        self._executables[key] = exe
-            loaded_at = time.perf_counter()
-            to_compile = [key for key in missing if key not in self._executables]
-            lowered = [self._lower(key, self._example_args(key)) for key in to_compile]
-            lowered_at = time.perf_counter()
             compiled = list(threads.map(lambda low: low.compile(), lowered))
-        for key, exe in zip(to_compile, compiled):
-            self._executables[key] = exe
-            if self.store is not None:
-                self.store.save(key, exe)
+        self._executables.update(zip(missing, compiled))
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
-        self.warmup_report = {
-            "executables": len(self.bucket_shapes()), "from_store": len(missing) - len(to_compile),
-            "compiled": len(to_compile), "load_s": loaded_at - start,
-            "lower_s": lowered_at - loaded_at, "compile_s": time.perf_counter() - lowered_at,
-            "threads": workers}
+        self.warmup_report = {"executables": len(self.bucket_shapes()), "compiled": len(missing),
+                              "lower_s": lowered_at - start,
+                              "compile_s": time.perf_counter() - lowered_at, "threads": workers}
         self.warmed_up = True
         return elapsed
 
