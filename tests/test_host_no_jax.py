@@ -7,7 +7,9 @@ import sys
 
 HOST_MODULES = ["jaxbatch", "jaxbatch.block_manager", "jaxbatch.scheduler", "jaxbatch.policies",
                 "jaxbatch.request", "jaxbatch.plan", "jaxbatch.config", "jaxbatch.sampling_params",
-                "jaxbatch.outputs"]
+                "jaxbatch.outputs", "jaxbatch.detokenizer",
+                # The server binds its port before the engine thread imports JAX.
+                "jaxbatch.cli", "jaxbatch.server.app"]
 
 PROBE = f"""
 import importlib, sys

@@ -1,0 +1,138 @@
+"""`jaxbatch serve [MODEL] ...` (also `python -m jaxbatch serve ...`): the OpenAI-compatible server.
+
+Flags are LLM's keyword arguments spelled with dashes, as `vllm serve` spells them. Startup
+order matters: uvicorn binds the port first and the engine (weights, warm-up) is built on the
+engine thread afterwards, so orchestrators see a live port whose /health says 503 until ready.
+Nothing here imports JAX; the engine thread does, when it builds the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import uvicorn
+
+# The embedded model's name (jaxbatch.model.loader.DEFAULT_MODEL; not imported: that pulls JAX).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jaxbatch")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("model", nargs="?", default=None,
+                   help="HF directory or .gguf file; omitted: the embedded SmolLM2-135M-Instruct")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the name /v1/models lists and requests use (default: MODEL as given)")
+    s.add_argument("--max-num-seqs", type=int, default=32)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--scheduling-policy", default="fcfs",
+                   choices=["fcfs", "priority", "shortest_prompt_first"])
+    s.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--prefill-chunk-size", type=int, default=None)
+    s.add_argument("--attention-backend", default="auto")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="ready without compiling every shape first (the first requests compile)")
+    s.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 + Retry-After once this many requests are waiting or running")
+    s.add_argument("--api-key", default=os.environ.get("JAXBATCH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (env JAXBATCH_API_KEY)")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before abort")
+    s.add_argument("--log-level", default="info")
+    return ap
+
+
+def engine_kwargs(args) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                scheduling_policy=args.scheduling_policy, batching=args.batching, seed=args.seed,
+                prefill_chunk_size=args.prefill_chunk_size,
+                attention_backend=args.attention_backend, warmup=not args.no_warmup)
+
+
+def serve(args) -> int:
+    from jaxbatch.server.app import build_app
+
+    model, kwargs = args.model, engine_kwargs(args)
+
+    def engine_factory():   # runs on the engine thread, after the port is bound
+        from jaxbatch.engine import LLMEngine
+        return LLMEngine(model, **kwargs)
+
+    failed = []
+
+    def on_engine_dead(exc):
+        # A model that cannot load (or an engine that crashed while starting) ends the process
+        # with an error, rather than leaving a port that says 503 forever.
+        if not server.started or app.state.llm.engine is None:
+            failed.append(exc)
+            server.should_exit = True
+
+    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
+                    api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
+                    on_engine_dead=on_engine_dead)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, app.state.llm, args.shutdown_timeout)
+    server.run()
+    if failed:
+        print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains instead of closing the port: /health and new
+    requests get 503, in-flight requests finish for up to `shutdown_timeout` seconds, the rest
+    are aborted; then uvicorn's usual shutdown, and the process exits 0. A second signal (or
+    SIGINT) falls back to uvicorn's immediate shutdown."""
+
+    def __init__(self, config, llm, shutdown_timeout: float):
+        super().__init__(config)
+        self.llm, self.shutdown_timeout = llm, shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGTERM and not self._draining and self._loop is not None:
+            # We are in a signal handler (main thread, between two bytecodes): only schedule.
+            # Not recorded in uvicorn's captured signals, so it is not re-raised at exit: exit 0.
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self):
+        async def drain():
+            await self.llm.drain(self.shutdown_timeout)
+            self.should_exit = True
+        self._drain_task = asyncio.ensure_future(drain())
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The FastAPI application: routes, authentication, error bodies, lifecycle.
+
+Every error leaves as OpenAI's body, {"error": {"message", "type", "param", "code"}}, with the
+HTTP status in `code`: schema problems (FastAPI would say 422) and bad values are 400, a wrong
+or missing --api-key 401, an unknown model or route 404, and "not now" (starting, draining,
+queue cap) 503 with Retry-After.
+
+Lifecycle: the lifespan starts the AsyncLLM, whose engine thread loads the weights while
+uvicorn already listens (/health answers 503 until the engine is ready and warm). SIGTERM is
+turned into `drain` by cli.py: /health and new requests get 503, admitted requests finish for
+up to --shutdown-timeout seconds, the rest are aborted, and the process exits 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import secrets
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxbatch.server import protocol as P
+from jaxbatch.server.async_engine import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
+from jaxbatch.server.metrics import ServerMetrics
+from jaxbatch.server.serving import APIError, OpenAIServing, with_cancellation
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = P.ErrorResponse(error=P.ErrorInfo(message=message, param=param, code=status,
+                                             type=ERROR_TYPES.get(status, "Error")))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxbatch")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(engine_factory, *, served_model_name: str, model_root: str | None = None,
+              api_key: str | None = None, max_queued_requests: int | None = None,
+              on_engine_dead=None) -> FastAPI:
+    """`engine_factory()` builds the LLMEngine on the engine thread (after the port is bound).
+    `on_engine_dead(exc)` is called on the event loop if the engine thread dies."""
+    metrics = ServerMetrics(served_model_name)
+    llm = AsyncLLM(engine_factory, max_queued_requests=max_queued_requests, metrics=metrics,
+                   on_dead=on_engine_dead)
+    serving = OpenAIServing(llm, served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm.start()        # returns at once: loading happens on the engine thread
+        yield
+        await llm.shutdown()
+
+    app = FastAPI(title="jaxbatch", version=_version(), lifespan=lifespan)
+    app.state.llm, app.state.metrics, app.state.serving = llm, metrics, serving
+
+    # ---- errors ------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
+                            f"{e.get('msg')}" for e in errors[:5]) or "invalid request"
+        return error_response(400, message, loc[0] if loc else None)
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _unavailable(request, exc: EngineUnavailableError):
+        return error_response(503, str(exc), None, {"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, exc: EngineDeadError):
+        return error_response(503, str(exc), None, {"Retry-After": "30"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        return error_response(500, f"{type(exc).__name__}: {exc}")
+
+    # ---- authentication: every /v1 route and tokenize/detokenize, as vLLM does ---------------
+    async def check_api_key(request: Request):
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')")
+
+    v1 = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
+        return _respond(await with_cancellation(raw, serving.create_chat(req)))
+
+    @v1.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, raw: Request):
+        return _respond(await with_cancellation(raw, serving.create_completion(req)))
+
+    def _respond(result):
+        if result is None:     # the client disconnected; the request was aborted
+            return Response(status_code=499)
+        if isinstance(result, P._Model):
+            return JSONResponse(result.model_dump())
+        return result
+
+    @v1.get("/v1/models")
+    async def models():
+        max_len = llm.engine.config.max_model_len if llm.engine is not None else None
+        card = P.ModelCard(id=served_model_name, root=model_root, max_model_len=max_len)
+        return JSONResponse(P.ModelList(data=[card]).model_dump())
+
+    def _require_ready():
+        if llm.state == READY:
+            return
+        if llm.engine is None and llm.state != "dead":
+            raise EngineUnavailableError("the server is starting: the model is loading", 5)
+        if llm.state == "dead":
+            raise EngineDeadError(f"the engine has stopped: {llm.error!r}")
+
+    @v1.post("/tokenize")
+    async def tokenize(req: P.TokenizeRequest):
+        _require_ready()
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            chat = P.ChatCompletionRequest(messages=req.messages,
+                                           add_generation_prompt=req.add_generation_prompt)
+            ids = await llm.run_in_pool(serving.render_chat, chat)
+        else:
+            ids = await llm.run_in_pool(lambda: list(llm.tokenizer(
+                req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+
+    @v1.post("/detokenize")
+    async def detokenize(req: P.DetokenizeRequest):
+        _require_ready()
+        serving.check_model(req.model)
+        vocab = llm.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await llm.run_in_pool(llm.tokenizer.decode, req.tokens)}
+
+    app.include_router(v1)
+
+    # ---- unauthenticated: probes and scrapes --------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if llm.state == READY:
+            return Response(status_code=200)
+        why = {"starting": "the engine is starting", "draining": "the server is draining",
+               "dead": f"the engine thread died: {llm.error!r}"}.get(llm.state, llm.state)
+        return error_response(503, why, None, {"Retry-After": "5"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    return app

@@ -1,0 +1,103 @@
+"""Prometheus metrics at /metrics, with vLLM's names, label and histogram buckets, so the
+dashboards, alerts and routers written for `vllm serve` work unchanged.
+
+Fed by the engine thread once per loop iteration (`record`): the gauges from
+`LLMEngine.stats()`, the counters and histograms from the step's `RequestOutput`s and their
+`RequestMetrics` (times from time.monotonic()). prometheus_client is thread-safe, so the event
+loop renders the registry while the engine thread writes to it. Each server gets its own
+CollectorRegistry: two apps in one process (tests) never share or clash on series.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, lab = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(name, doc, lab, registry=reg).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, lab, registry=reg).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, lab, buckets=buckets, registry=reg).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=reg)
+        # Every reason is exported from the start (at 0), as vLLM does, so rate() sees the first one.
+        self.success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               REQUEST_LATENCY_BUCKETS)
+        # Engine-thread-only state: per live request (tokens so far, time of its last token).
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._preemptions = 0
+
+    def record(self, outputs, stats: dict, now: float) -> None:
+        """One engine iteration: `outputs` from `LLMEngine.step()`, `stats` from `stats()`."""
+        for out in outputs:
+            self._record_output(out, now)
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        total = stats["num_total_blocks"]
+        self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
+        if stats["num_preemptions"] > self._preemptions:
+            self.preemptions.inc(stats["num_preemptions"] - self._preemptions)
+            self._preemptions = stats["num_preemptions"]
+
+    def _record_output(self, out, now: float) -> None:
+        m = out.metrics
+        n_tokens = sum(len(c.token_ids) for c in out.outputs)
+        prev = self._seen.get(out.request_id)
+        if prev is None and n_tokens:
+            # First token(s): the prompt has been prefilled.
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.generation_tokens.inc(n_tokens)
+            self.ttft.observe(max(0.0, (m.first_token_time or now) - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            prev = (n_tokens, m.last_token_time or now)
+        elif prev is not None and n_tokens > prev[0]:
+            new = n_tokens - prev[0]
+            self.generation_tokens.inc(new)
+            last = m.last_token_time or now
+            for _ in range(new):   # one observation per token (a step may yield several)
+                self.itl.observe(max(0.0, last - prev[1]) / new)
+            prev = (n_tokens, last)
+        if out.finished:
+            self._seen.pop(out.request_id, None)
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            if reason in self.success:
+                self.success[reason].inc()
+            self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+        elif prev is not None:
+            self._seen[out.request_id] = prev
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,281 @@
+"""The wire format: OpenAI's request and response bodies (plus vLLM's extras), as pydantic models.
+
+Requests are validated by FastAPI against these models before a handler runs; a body that does
+not fit (malformed JSON, a missing field, a wrong type) becomes a 400 with the OpenAI error body
+(see app.py). Unknown fields are ignored, as OpenAI and vLLM ignore them. Value checks that the
+engine already owns (temperature >= 0, top_p in (0, 1], ...) stay in SamplingParams, so the
+offline API and the server reject the same things with the same messages.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from jaxbatch.sampling_params import SamplingParams
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _drop_none(handler, obj, keys: tuple[str, ...]):
+    data = handler(obj)
+    for k in keys:
+        if data.get(k) is None:
+            data.pop(k, None)
+    return data
+
+
+# ---- errors --------------------------------------------------------------------------------
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(_Model):
+    error: ErrorInfo
+
+
+# ---- requests ------------------------------------------------------------------------------
+class StreamOptions(_Model):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for a field we accept syntactically but cannot honour."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError ("SamplingParams.<field>=...: why") for invalid values."""
+        pick = lambda v, default: default if v is None else v   # noqa: E731
+        return SamplingParams(
+            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self):
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is not supported (it must equal n)"
+        return super().unsupported()
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def unsupported(self):
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        for m in self.messages:
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                return "messages", "only text content parts are supported"
+        return super().unsupported()
+
+    def conversation(self) -> list[dict]:
+        """Messages as the chat template wants them: content flattened to a string."""
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.text or "" for p in content)
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses -----------------------------------------------------------------------------
+class UsageInfo(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(_Model):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Model):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("usage",))
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProb(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(_Model):
+    content: list[ChatLogProb] | None = None
+
+
+class ChatMessageOut(_Model):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Model):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):   # OpenAI's deltas carry only the keys that changed
+        return _drop_none(handler, self, ("role", "content"))
+
+
+class ChatStreamChoice(_Model):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("usage",))
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxbatch"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
