@@ -70,8 +70,7 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     lengths = positions + 1
     x = params["embed"][tokens]
     new_caches = []
-    layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(cfg.num_layers)]
-    for layer, (k_cache, v_cache) in zip(layers, caches):
+    for layer, (k_cache, v_cache) in zip(params["layers"], caches):
         h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q = (h @ layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
         k = (h @ layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
@@ -161,6 +160,11 @@ def build_pieces(engine, plan, slots, ctx):
                       donate_argnums=(1,))
     sample = jax.jit(sampler.sample)
 
+    # The floor gets one array per layer weight (the engine's stacked [L, ...] arrays sliced
+    # once, outside jit): slicing a stacked array inside an unrolled jit costs a copy per layer.
+    floor_params = {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], params["layers"])
+                                          for i in range(cfg.num_layers)]}
+
     def engine_exe(params, pool, *args):
         *inputs, samp_arrays = args
         logits, pool = forward(params, pool, *inputs)
@@ -177,8 +181,8 @@ def build_pieces(engine, plan, slots, ctx):
         "engine_executable": Piece(lambda st, *a: engine_exe(params, st, *a), pool, dev + (samp,)),
         "paged_forward_argmax": Piece(lambda st, *a: paged(params, st, *a),
                                       jax.tree.map(jnp.zeros_like, pool), dev),
-        "dense_floor": Piece(lambda st, *a: floor(params, st, *a), dense, (tokens, positions)),
-        "dense_matmuls_only": Piece(lambda st, *a: (matmuls(params, st, *a), st),
+        "dense_floor": Piece(lambda st, *a: floor(floor_params, st, *a), dense, (tokens, positions)),
+        "dense_matmuls_only": Piece(lambda st, *a: (matmuls(floor_params, st, *a), st),
                                     ((None, None),) * cfg.num_layers, (tokens, positions)),
     }
 

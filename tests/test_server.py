@@ -20,7 +20,7 @@ ENGINE_KW = dict(max_num_seqs=16, max_model_len=512, seed=0)
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(*SETTINGS, "--no-warmup")
+    srv = ServerProcess(*SETTINGS)      # warmed up, as served: nothing may compile later
     try:
         srv.wait_ready()
         yield srv
@@ -317,3 +317,12 @@ def test_tokenize_detokenize(server, offline):
     assert r["tokens"] == tok("Hello, world")["input_ids"] and r["count"] == len(r["tokens"])
     r2 = httpx.post(server.base + "/detokenize", json={"tokens": r["tokens"]}).json()
     assert r2["prompt"] == "Hello, world"
+
+
+def test_zz_nothing_compiled_while_serving(server):
+    """Runs last in this module (pytest keeps file order): every request above, streaming or
+    not, with logprobs, penalties and stops, was served by executables warm-up compiled."""
+    samples = metrics(server.base)
+    key = ("jaxbatch:compilations_after_warmup", ())
+    assert key in samples, "the server must export its late-compilation gauge"
+    assert samples[key] == 0

@@ -39,6 +39,9 @@ class ServerMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # Ours, not vLLM's: a compilation after warm-up stalls every stream; it should stay 0.
+        self.late_compilations = gauge("jaxbatch:compilations_after_warmup",
+                                       "Executables compiled after warm-up (a shape warm-up missed).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
@@ -67,6 +70,7 @@ class ServerMetrics:
         self.waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]
         self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
+        self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))
         if stats["num_preemptions"] > self._preemptions:
             self.preemptions.inc(stats["num_preemptions"] - self._preemptions)
             self._preemptions = stats["num_preemptions"]
