@@ -51,8 +51,8 @@ class SamplingParams:
             fail("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "must be 0 or -1 (off) or a positive integer")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 31:
+            fail("top_k", "must be 0 or -1 (off) or a positive integer below 2**31")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -207,6 +207,9 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n"),
+    # Once killed the engine thread: an int32 overflow while building the sampling arrays.
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "top_k": 2 ** 32}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 8}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),

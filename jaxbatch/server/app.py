@@ -102,7 +102,8 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')")
 
     v1 = APIRouter(dependencies=[Depends(check_api_key)])

@@ -166,8 +166,9 @@ class AsyncLLM:
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting; let admitted requests finish for up to `timeout` s; abort the rest."""
-        if self.state in (READY, STARTING):
-            self.state = DRAINING
+        with self._cv:
+            if self.state in (READY, STARTING):
+                self.state = DRAINING
         try:
             await asyncio.wait_for(self._wait_idle(), timeout=max(0.0, timeout))
         except asyncio.TimeoutError:
@@ -322,8 +323,9 @@ class AsyncLLM:
             engine = self._factory()
             self.engine, self.tokenizer = engine, engine.tokenizer
             self.stats = engine.stats()
-            if self.state == STARTING:
-                self.state = READY
+            with self._cv:       # drain() may be setting DRAINING on the event loop
+                if self.state == STARTING:
+                    self.state = READY
             self._serve(engine)
         except BaseException as e:   # noqa: BLE001 - whatever killed it, report it
             self.error = e

@@ -58,8 +58,9 @@ class ServerMetrics:
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.",
                                REQUEST_LATENCY_BUCKETS)
-        # Engine-thread-only state: per live request (tokens so far, time of its last token).
-        self._seen: dict[str, tuple[int, float]] = {}
+        # Engine-thread-only state: per live request, per completion index, (tokens so far,
+        # time of its last token).
+        self._seen: dict[str, dict[int, tuple[int, float]]] = {}
         self._preemptions = 0
 
     def record(self, outputs, stats: dict, now: float) -> None:
@@ -76,32 +77,35 @@ class ServerMetrics:
             self._preemptions = stats["num_preemptions"]
 
     def _record_output(self, out, now: float) -> None:
+        """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts
+        each of a request's n as its own request): inter-token gaps, finish reason."""
         m = out.metrics
-        n_tokens = sum(len(c.token_ids) for c in out.outputs)
-        prev = self._seen.get(out.request_id)
-        if prev is None and n_tokens:
-            # First token(s): the prompt has been prefilled.
+        first = out.request_id not in self._seen and any(c.token_ids for c in out.outputs)
+        if first:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.generation_tokens.inc(n_tokens)
             self.ttft.observe(max(0.0, (m.first_token_time or now) - m.arrival_time))
             if m.first_scheduled_time is not None:
                 self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            prev = (n_tokens, m.last_token_time or now)
-        elif prev is not None and n_tokens > prev[0]:
-            new = n_tokens - prev[0]
-            self.generation_tokens.inc(new)
-            last = m.last_token_time or now
-            for _ in range(new):   # one observation per token (a step may yield several)
-                self.itl.observe(max(0.0, last - prev[1]) / new)
-            prev = (n_tokens, last)
+        seen = self._seen.setdefault(out.request_id, {})
+        last = m.last_token_time or now
+        for c in out.outputs:
+            before, before_time = seen.get(c.index, (0, None))
+            new = len(c.token_ids) - before
+            if new > 0:
+                self.generation_tokens.inc(new)
+                if before_time is not None:
+                    for _ in range(new):   # one observation per token (a step may yield several)
+                        self.itl.observe(max(0.0, last - before_time) / new)
+                seen[c.index] = (len(c.token_ids), last)
         if out.finished:
             self._seen.pop(out.request_id, None)
-            reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            if reason in self.success:
-                self.success[reason].inc()
+            for c in out.outputs:
+                reason = c.finish_reason or "abort"
+                if reason in self.success:
+                    self.success[reason].inc()
             self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
-        elif prev is not None:
-            self._seen[out.request_id] = prev
+        elif not seen:
+            self._seen.pop(out.request_id, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

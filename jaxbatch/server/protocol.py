@@ -48,7 +48,8 @@ class StreamOptions(_Model):
 class _SamplingRequest(_Model):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
-    n: int = 1
+    # OpenAI's own cap: one request must not hold the whole engine for minutes.
+    n: int = Field(1, ge=1, le=128)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
