@@ -162,7 +162,7 @@ def build_pieces(engine, plan, slots, ctx):
 
     # The floor gets one array per layer weight (the engine's stacked [L, ...] arrays sliced
     # once, outside jit): slicing a stacked array inside an unrolled jit costs a copy per layer.
-    floor_params = {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    floor_params = {**params, "layers": [{name: w[i] for name, w in params["layers"].items()}
                                           for i in range(cfg.num_layers)]}
 
     def engine_exe(params, pool, *args):

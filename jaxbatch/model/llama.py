@@ -2,16 +2,23 @@
 
 Params layout (a plain dict; weights stored [in, out] so `x @ w` reads naturally):
     embed      [V, d]
-    layers     one dict of arrays stacked over layers (leading axis L): attn_norm [L, d],
-               wq [L, d, H*Dh], wk [L, d, K*Dh], wv [L, d, K*Dh], wo [L, H*Dh, d],
-               (bq, bk, bv when qkv_bias; bo when o_bias), mlp_norm [L, d],
-               w_gate [L, d, F], w_up [L, d, F], w_down [L, F, d]
+    layers     one dict over layers: vectors stacked on a leading axis L (attn_norm [L, d],
+               mlp_norm [L, d], bq/bk/bv [L, ...] when qkv_bias, bo [L, d] when o_bias), and
+               matrices (wq [d, H*Dh], wk/wv [d, K*Dh], wo [H*Dh, d], w_gate/w_up [d, F],
+               w_down [F, d]) either stacked too ([L, in, out]) or kept as a tuple of L arrays
     final_norm [d]
     lm_head    [d, V]   absent when embeddings are tied
 Checkpoint readers produce a list of per-layer dicts; `stack_layers` turns it into this form.
 
 The forward is one layer's computation iterated with `lax.scan`: compiled once, not once per
-layer, which is what makes a 30-layer step compile in about a second instead of ten.
+layer, which is what makes a 30-layer step compile in about a second instead of ten. How the
+scan reaches a layer's matrices depends on the device:
+  stacked [L, in, out]  the scan slices layer l out of the stack. XLA:GPU feeds such a slice to
+                        its GEMM in place; XLA:CPU copies it first (every weight, every step:
+                        +20 ms on a 16-row SmolLM2 decode step, +30 % of its matmul time).
+  tuple of L arrays     each matmul is a `lax.switch` over the L weights: on CPU the chosen
+                        branch's dot reads its weight where it lies; the branches are library
+                        GEMM calls, cheap to compile. (On a GPU a switch would sync the host.)
 
 The KV pool is one (k_pages, v_pages) pair, each [num_kv_heads, L * num_blocks, block_size,
 head_dim]: layer l's block b is row l * num_blocks + b. Folding the layer into the block axis
@@ -38,20 +45,39 @@ from pallas_kernels.reference import write_kv_ref
 AttendFn = Callable[..., jnp.ndarray]
 
 
-def stack_layers(params: dict) -> dict:
-    """Per-layer dicts -> one dict of [L, ...] arrays (idempotent). Works on numpy or jax arrays
-    without an extra device copy of the unstacked form surviving the call."""
+def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
+    """Per-layer dicts -> the layers dict above (idempotent). `matrices_per_layer` keeps the
+    matrices as a tuple of L arrays; None: on CPU only (see the module doc). Vectors are
+    always stacked. Works on numpy or jax arrays."""
     layers = params["layers"]
     if isinstance(layers, dict):
         return params
+    if matrices_per_layer is None:
+        matrices_per_layer = jax.default_backend() == "cpu"
     stack = np.stack if isinstance(jax.tree.leaves(layers)[0], np.ndarray) else jnp.stack
-    stacked = {name: stack([layer[name] for layer in layers]) for name in layers[0]}
-    return {**params, "layers": stacked}
+    out = {}
+    for name in layers[0]:
+        per_layer = [layer[name] for layer in layers]
+        is_matrix = per_layer[0].ndim == 2
+        out[name] = tuple(per_layer) if is_matrix and matrices_per_layer else stack(per_layer)
+    return {**params, "layers": out}
 
 
 def num_layers_of(params: dict) -> int:
     layers = params["layers"]
-    return len(layers) if isinstance(layers, list) else layers["wq"].shape[0]
+    if isinstance(layers, list):
+        return len(layers)
+    return layers["attn_norm"].shape[0]
+
+
+def _matmul(x, weight, index):
+    """x @ this layer's weight: `weight` is the layer's [in, out] slice (stacked layout) or the
+    tuple of every layer's weight (per-layer layout, chosen by `index`)."""
+    if not isinstance(weight, tuple):
+        return x @ weight
+    if len(weight) == 1:
+        return x @ weight[0]
+    return jax.lax.switch(index, [lambda x, w=w: x @ w for w in weight], x)
 
 
 def rms_norm(x, weight, eps):
@@ -61,11 +87,11 @@ def rms_norm(x, weight, eps):
 
 
 def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool, v_pool,
-                     block_offset, attend, inv_freq):
+                     index, block_offset, attend, inv_freq):
     num_tokens = x.shape[0]
-    q = x @ layer["wq"]
-    k = x @ layer["wk"]
-    v = x @ layer["wv"]
+    q = _matmul(x, layer["wq"], index)
+    k = _matmul(x, layer["wk"], index)
+    v = _matmul(x, layer["wv"], index)
     if cfg.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)                    # [T, H, Dh]
@@ -77,16 +103,17 @@ def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool
     block_size = k_pool.shape[2]
     k_pool, v_pool = write_kv_ref(k_pool, v_pool, k, v, slot_mapping + block_offset * block_size)
     out = attend(q, k_pool, v_pool, block_offset).reshape(num_tokens, cfg.num_heads * cfg.head_dim)
-    out = out @ layer["wo"]
+    out = _matmul(out, layer["wo"], index)
     if cfg.o_bias:
         out = out + layer["bo"]
     return out, k_pool, v_pool
 
 
-def _mlp_block(layer, x):
-    gate = x @ layer["w_gate"]
-    up = x @ layer["w_up"]
-    return (gate * (1.0 / (1.0 + jnp.exp(-gate.astype(jnp.float32)))).astype(x.dtype) * up) @ layer["w_down"]
+def _mlp_block(layer, x, index):
+    gate = _matmul(x, layer["w_gate"], index)
+    up = _matmul(x, layer["w_up"], index)
+    act = (gate * (1.0 / (1.0 + jnp.exp(-gate.astype(jnp.float32)))).astype(x.dtype) * up)
+    return _matmul(act, layer["w_down"], index)
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
@@ -94,23 +121,28 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
     kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh] -> (final-normed hidden [T, d], new pool)."""
     params = stack_layers(params)
-    num_layers = params["layers"]["wq"].shape[0]
+    num_layers = num_layers_of(params)
     blocks_per_layer = kv_pool[0].shape[1] // num_layers
+    # Stacked arrays are scanned over (sliced per layer); per-layer tuples are closed over
+    # whole and picked by index inside each matmul.
+    per_layer = {k: v for k, v in params["layers"].items() if isinstance(v, tuple)}
+    stacked = {k: v for k, v in params["layers"].items() if not isinstance(v, tuple)}
     x = params["embed"][tokens]                                               # [T, d]
 
     def one_layer(carry, xs):
         x, k_pool, v_pool = carry
         layer, index = xs
+        layer = {**layer, **per_layer}
         h, k_pool, v_pool = _attention_block(
             layer, cfg, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), positions,
-            slot_mapping, k_pool, v_pool, index * blocks_per_layer, attend, inv_freq)
+            slot_mapping, k_pool, v_pool, index, index * blocks_per_layer, attend, inv_freq)
         x = x + h
-        x = x + _mlp_block(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        x = x + _mlp_block(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), index)
         return (x, k_pool, v_pool), None
 
     (x, k_pool, v_pool), _ = jax.lax.scan(
         one_layer, (x, kv_pool[0], kv_pool[1]),
-        (params["layers"], jnp.arange(num_layers, dtype=jnp.int32)))
+        (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pool, v_pool)
 
 
