@@ -81,8 +81,10 @@ class LLMEngine:
 
         max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > mc.max_position_embeddings:
+            window = (f" (capped at its sliding_window={mc.sliding_window}: attention here is "
+                      f"full causal, exact only within the window)" if mc.sliding_window else "")
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
+                             f"max_position_embeddings={mc.max_position_embeddings}{window}")
         if max_num_batched_tokens is None:
             chunk = prefill_chunk_size or DEFAULT_PREFILL_CHUNK
             max_num_batched_tokens = max_num_seqs + chunk
