@@ -85,7 +85,7 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
             out = q   # "matmuls only": same shapes, no attention work
         x = x + out.reshape(b, -1) @ layer["wo"]
         h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + llama._mlp_block(layer, h)
+        x = x + llama._mlp_block(layer, h, 0)   # per-layer weights: index unused
         new_caches.append((k_cache, v_cache))
     x = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return jnp.argmax(llama.compute_logits(params, x), axis=-1), tuple(new_caches)
