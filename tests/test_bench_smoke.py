@@ -137,3 +137,21 @@ def test_gpu_e2e_dry_run(tmp_path):
     result = json.loads((tmp_path / "gpu_e2e.json").read_text())["models"][0]
     assert result["check"]["equal"] and result["speed"]["compilations_timed"] == 0
     assert result["speed"]["decode_tokens_per_s"] > 0
+
+
+def test_decode_floor_runs_on_a_tiny_model():
+    """decode_floor.py builds the floor from the engine's own params and executables: a change
+    to either must not break it silently (it is not run anywhere else in the suite)."""
+    spec = importlib.util.spec_from_file_location("decode_floor", REPO / "scripts" / "decode_floor.py")
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import make_hf_model, ours_from_hf
+    from jaxbatch.model.loader import LoadedModel
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2"))
+    loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0,
+                         from_cache=False)
+    result = floor.measure_context(loaded, slots=2, ctx=64, rounds=3, seed=0)
+    assert result["slots"] == 2 and result["context"] == 64
+    assert result["engine_step_ms"] > 0 and result["floor_ms"] > 0
+    assert set(result["breakdown_ms"]) == {"matmuls", "attention", "paging", "sampling", "host"}
