@@ -53,6 +53,11 @@ def test_api_key(server):
         assert r.status_code == 401, headers
         assert r.json()["error"]["code"] == 401 and r.json()["error"]["message"]
     assert httpx.get(server.base + "/v1/models", timeout=10).status_code == 401
+    # The key is checked before the body is read: malformed JSON without it is still a 401.
+    bad = httpx.post(server.base + "/v1/completions", content=b'{"bad', timeout=10,
+                     headers={"Content-Type": "application/json"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == 401
+    assert httpx.post(server.base + "/tokenize", json={"prompt": "hi"}, timeout=10).status_code == 401
     assert httpx.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
     # Probes and scrapes stay open, as in vLLM.
     assert httpx.get(server.base + "/health").status_code == 200

@@ -16,7 +16,7 @@ import contextlib
 import importlib.metadata
 import secrets
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,6 +36,27 @@ def error_response(status: int, message: str, param: str | None = None,
     body = P.ErrorResponse(error=P.ErrorInfo(message=message, param=param, code=status,
                                              type=ERROR_TYPES.get(status, "Error")))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class _APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which would wrap streaming responses and disconnects)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                response = error_response(
+                    401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _version() -> str:
@@ -97,16 +118,11 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
         return error_response(500, f"{type(exc).__name__}: {exc}")
 
     # ---- authentication: every /v1 route and tokenize/detokenize, as vLLM does ---------------
-    async def check_api_key(request: Request):
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-                token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY')")
-
-    v1 = APIRouter(dependencies=[Depends(check_api_key)])
+    # Checked in ASGI middleware, before routing reads the body: a request without the key
+    # gets 401 whatever its body holds (a dependency would answer malformed JSON with 400).
+    if api_key is not None:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    v1 = APIRouter()
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
