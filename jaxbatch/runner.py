@@ -64,7 +64,6 @@ class ModelRunner:
         self.backend = attention.resolve_backend(attention_backend)
         # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
         chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
-        self.chunks_per_call = chunks_per_call
         self.layout = StepLayout(sched_cfg, attention.uses_work_lists(self.backend), chunks_per_call)
         self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
@@ -151,7 +150,11 @@ class ModelRunner:
         pending = [(call, self._dispatch(call)) for call in calls]
         result = StepResult(sampled={}, prompt_logprobs={})
         for call, (sampled, prompt_lp) in pending:
-            tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in sampled)
+            tokens, logprob = np.asarray(sampled[0]), np.asarray(sampled[1])
+            # The [rows, 20] top-k arrays cross to the host only when some row reads them.
+            top_ids = top_lp = None
+            if any(r is not None and r.logprobs for r in call.rows):
+                top_ids, top_lp = np.asarray(sampled[2]), np.asarray(sampled[3])
             if call.key[0] == "decode":
                 for i, d in enumerate(plan.decodes):
                     result.sampled[d.seq_id] = _sampled(i, tokens, logprob, top_ids, top_lp,

@@ -38,6 +38,17 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
+def _checked_params(req, max_tokens, logprobs):
+    """The request's SamplingParams, or a 400 naming the unsupported or invalid field."""
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, bad[1], bad[0])
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise _params_error(e) from None
+
+
 def _params_error(e: ValueError, param: str | None = None) -> APIError:
     """400 naming the field: SamplingParams' messages start with "SamplingParams.<field>"."""
     m = re.match(r"SamplingParams\.(\w+)", str(e))
@@ -228,16 +239,10 @@ class OpenAIServing:
         ticket = self.llm.admit()
         handed_off = False
         try:
-            bad = req.unsupported()
-            if bad:
-                raise APIError(400, bad[1], bad[0])
             k = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
                 else req.max_tokens
-            try:
-                params = req.sampling_params(max_tokens, k)
-            except ValueError as e:
-                raise _params_error(e) from None
+            params = _checked_params(req, max_tokens, k)
             ids = await self.llm.run_in_pool(self.render_chat, req)
             rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
                                              "messages", arrival)
@@ -304,13 +309,7 @@ class OpenAIServing:
         ticket = self.llm.admit()
         handed_off = False
         try:
-            bad = req.unsupported()
-            if bad:
-                raise APIError(400, bad[1], bad[0])
-            try:
-                params = req.sampling_params(req.max_tokens, req.logprobs)
-            except ValueError as e:
-                raise _params_error(e) from None
+            params = _checked_params(req, req.max_tokens, req.logprobs)
             prompts = await self.llm.run_in_pool(self.render_prompts, req.prompt)
             rid, streams = await self._start("cmpl", prompts, params, req.priority, "prompt",
                                              arrival)
