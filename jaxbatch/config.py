@@ -24,6 +24,9 @@ class SchedulerConfig:
     # shortest_prompt_first: each step waited takes this many tokens off a request's sort key,
     # so a long prompt is eventually served whatever keeps arriving.
     aging_tokens_per_step: float = 4.0
+    # Full blocks computed by full prefill chunks are kept, keyed by their prefix, and shared
+    # by later prompts that start with the same tokens (jaxbatch/prefix_cache.py).
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         def fail(field, why):
@@ -51,6 +54,13 @@ class SchedulerConfig:
             fail("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.batching not in BATCHING_MODES:
             fail("batching", f"choose one of {', '.join(BATCHING_MODES)}")
+
+    @property
+    def prefix_hit_granularity(self) -> int:
+        """Prefix hits end on a multiple of this many tokens: the request's own chunk
+        boundaries (whole blocks too), so what follows a hit is computed in exactly the chunks,
+        and to exactly the numbers, of a run without the cache."""
+        return max(self.prefill_chunk_size, self.block_size)
 
     @property
     def max_pages_per_seq(self) -> int:

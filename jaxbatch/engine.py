@@ -60,11 +60,13 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
-                 compilation_cache: bool = True,
+                 compilation_cache: bool = True, enable_prefix_caching: bool = True,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
+        `enable_prefix_caching` shares the KV of prompt prefixes already computed (outputs
+        are the same with it off; see jaxbatch/prefix_cache.py).
         `warmup` compiles every shape the scheduler can produce before the first request, so
         nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
         if compilation_cache:
@@ -100,12 +102,15 @@ class LLMEngine:
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk_size=chunk, scheduling_policy=scheduling_policy, batching=batching)
+            prefill_chunk_size=chunk, scheduling_policy=scheduling_policy, batching=batching,
+            enable_prefix_caching=bool(enable_prefix_caching))
         eos = tuple(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
         self.eos_token_ids = eos
-        self.scheduler = Scheduler(self.config, eos)
+        # What the KV depends on besides the tokens: cached blocks are keyed under it.
+        namespace = f"{loaded.source}|{param_dtype}|{mc}|block_size={block_size}"
+        self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace)
         if runner is None:
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
@@ -231,6 +236,11 @@ class LLMEngine:
                 self._seqs.pop(seq.seq_id, None)
             self._pending_outputs.append(self._make_output(state))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (blocks in use stay with their sequences)."""
+        self.scheduler.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -242,6 +252,11 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self.scheduler.has_unfinished():
             return outputs
+        if self.runner.pool_owner is not self:
+            # Another engine sharing this runner wrote into the pool since this engine last
+            # stepped: its cached prefixes may be gone.
+            self.scheduler.reset_prefix_cache()
+            self.runner.pool_owner = self
         plan = self.scheduler.schedule()
         if plan.empty:
             return outputs
@@ -309,8 +324,10 @@ class LLMEngine:
             finished_time=max(times("finished_time"), default=None) if state.finished else None,
             num_preemptions=sum(s.num_preemptions for s in seqs))
         prompt_lp = list(seqs[0].prompt_logprobs) if state.params.prompt_logprobs is not None else None
+        cached = [s.num_cached_tokens for s in seqs if s.num_cached_tokens is not None]
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
-                             prompt_lp, completions, state.finished, metrics)
+                             prompt_lp, completions, state.finished, metrics,
+                             num_cached_tokens=max(cached, default=0))
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -327,4 +344,7 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "max_num_seqs": self.config.max_num_seqs,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
         }

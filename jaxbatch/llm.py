@@ -25,6 +25,9 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """`prompts`: a str, a list of str, or a list of token-id lists. Outputs in input order."""

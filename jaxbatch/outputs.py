@@ -37,3 +37,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Prompt tokens served from the prefix cache (the most any of the request's samples got).
+    num_cached_tokens: int = 0

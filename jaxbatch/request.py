@@ -51,6 +51,11 @@ class Sequence:
     slot: int | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: the keys of the sequence's full blocks, computed as far as needed (its
+    # tokens only ever grow, so they stay valid), and the prompt tokens its first admission
+    # found in the cache.
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -79,6 +79,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         # Set by `warmup`: from then on a compilation means a shape the buckets missed.
         self.warmed_up = False
+        self.pool_owner = None     # the engine whose block manager last wrote the pool
         self.warmup_report: dict = {}
         self.compilations_after_warmup: list[tuple] = []
 

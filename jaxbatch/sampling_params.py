@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Prefix caching: only requests with the same salt share cached blocks (tenant isolation:
+    # a cache hit's speed would otherwise reveal another tenant's prompt).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +78,9 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            fail("cache_salt", "must be None or a non-empty string")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
 

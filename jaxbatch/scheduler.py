@@ -6,6 +6,11 @@ the whole previous group has finished), (2) give every decoding sequence its one
 grow; when they run out the policy's worst running sequence is preempted (its blocks freed,
 its tokens recomputed later). `update` appends the sampled tokens and applies token-level stops;
 stop strings need the tokenizer and are the engine's job (it calls `finish`).
+
+Prefix caching (when enabled): an admitted sequence starts from the longest run of cached blocks
+matching its tokens, cut to a multiple of its own prefill chunk size and short of its last token,
+so everything after the hit is computed exactly as without the cache; after each full prefill
+chunk, the blocks it completed are registered for later prompts.
 """
 from __future__ import annotations
 
@@ -16,14 +21,22 @@ from jaxbatch.block_manager import BlockManager
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan, StepResult
 from jaxbatch.policies import policy_key
+from jaxbatch.prefix_cache import extend_keys, root_key
 from jaxbatch.request import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
+                 cache_namespace: str = ""):
+        """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
+        block size): it roots every prefix-cache key."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)
+        self.cache_namespace = cache_namespace
+        self.prefix_cache_queries = 0    # tokens of admitted sequences looked up in the cache
+        self.prefix_cache_hits = 0       # of which found there
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs))
@@ -79,17 +92,80 @@ class Scheduler:
         for seq in sorted(self.waiting, key=self._key):
             if not self.free_slots:
                 break
-            need = self.blocks.num_missing_blocks(seq.seq_id, seq.num_tokens + 1)
+            if self._sibling_computing_prompt(seq):
+                continue   # it finds the prompt in the cache once the sibling has computed it
+            hits = self._prefix_hit(seq)
+            need = self.blocks.num_blocks_taken_by(hits, seq.num_tokens + 1)
             if outstanding + need > self.blocks.num_free_blocks:
                 break  # do not let a later, smaller request overtake the policy's order
             outstanding += need
             self.waiting.remove(seq)
+            self._start_from_cache(seq, hits)
             seq.slot = self.free_slots.pop(0)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
 
+    # ---- prefix caching ------------------------------------------------------------------
+    def _keys(self, seq: Sequence, num_blocks: int, token_ids: list[int]) -> list[bytes]:
+        root = root_key(self.cache_namespace, seq.params.cache_salt)
+        return extend_keys(seq.block_keys, root, token_ids, self.config.block_size, num_blocks)
+
+    def _cacheable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """The longest hit allowed for a sequence of `num_tokens`: on its own chunk boundaries
+        and short of its last token, whose logits are needed."""
+        g = self.config.prefix_hit_granularity
+        return (num_tokens - 1) // g * g
+
+    def _prefix_hit(self, seq: Sequence) -> list[int]:
+        """Cached blocks this sequence may start from. Requests for prompt logprobs compute
+        their whole prompt (a hit has no logits)."""
+        if self.blocks.prefix_index is None or seq.params.prompt_logprobs is not None:
+            return []
+        limit = self._cacheable_prefix(seq, seq.num_tokens)
+        if limit == 0:
+            return []
+        bs, per_hit = self.config.block_size, self.config.prefix_hit_granularity // self.config.block_size
+        tokens = seq.tokens(0, limit)
+        hits = self.blocks.cached_prefix(self._keys(seq, limit // bs, tokens), tokens)
+        return hits[:len(hits) // per_hit * per_hit]
+
+    def _start_from_cache(self, seq: Sequence, hits: list[int]) -> None:
+        hit_tokens = len(hits) * self.config.block_size
+        if hits:
+            self.blocks.share_cached(seq.seq_id, hits)
+            seq.num_computed_tokens = hit_tokens
+        if self.blocks.prefix_index is not None and seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += hit_tokens
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
+
+    def _sibling_computing_prompt(self, seq: Sequence) -> bool:
+        """n > 1: a later sample waits while an earlier one of the same request computes the
+        cacheable part of their shared prompt, then starts from it instead of computing it too."""
+        if (self.blocks.prefix_index is None or seq.index == 0 or self.config.batching == "static"
+                or seq.params.prompt_logprobs is not None):
+            return False
+        limit = self._cacheable_prefix(seq, seq.num_prompt_tokens)
+        return limit > 0 and any(s.request_id == seq.request_id and s.index < seq.index
+                                 and s.num_computed_tokens < limit for s in self.running)
+
+    def _register_computed_blocks(self, seq: Sequence, chunk: PrefillChunk) -> None:
+        """After a full prefill chunk: its blocks hold exactly what a cold run computes for
+        this prefix (every earlier chunk of the run was full too, or came from the cache)."""
+        bs = self.config.block_size
+        end = chunk.start + len(chunk.token_ids)
+        tokens = seq.tokens(0, end // bs * bs)
+        keys = self._keys(seq, end // bs, tokens)
+        for i in range(chunk.start // bs, end // bs):
+            self.blocks.register_cached(seq.seq_id, i, keys[i], tokens[i * bs:(i + 1) * bs])
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+
+    # ---- step planning -------------------------------------------------------------------
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Blocks for `num_tokens` tokens of `seq`, preempting the worst unscheduled running
         sequences as needed. False if `seq` itself had to go."""
@@ -169,6 +245,9 @@ class Scheduler:
         for chunk in plan.prefills:
             seq = seqs[chunk.seq_id]
             seq.num_computed_tokens += len(chunk.token_ids)
+            if (self.blocks.prefix_index is not None
+                    and len(chunk.token_ids) == self.config.prefill_chunk_size):
+                self._register_computed_blocks(seq, chunk)
             for position, logprobs in result.prompt_logprobs.get(chunk.seq_id, ()):
                 if position < seq.num_prompt_tokens:
                     seq.prompt_logprobs[position] = logprobs

@@ -127,8 +127,9 @@ def check_scheduler(sched: Scheduler) -> None:
         assert s.status is SequenceStatus.WAITING and s.slot is None
         assert blocks.block_table(s.seq_id) == [], "a waiting sequence holds blocks"
         assert s.num_computed_tokens == 0
+    # Prefix caching shares blocks between sequences: count each block once.
     in_use = blocks.num_total_blocks - blocks.num_free_blocks
-    assert in_use == sum(len(blocks.block_table(s.seq_id)) for s in sched.running), \
+    assert in_use == len({b for s in sched.running for b in blocks.block_table(s.seq_id)}), \
         "blocks held by sequences that are not running"
 
 
