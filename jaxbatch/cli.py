@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--prefill-chunk-size", type=int, default=None)
     s.add_argument("--attention-backend", default="auto")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV of prompt prefixes already computed (on by default)")
     s.add_argument("--no-warmup", action="store_true",
                    help="ready without compiling every shape first (the first requests compile)")
     s.add_argument("--max-num-queued-reqs", type=int, default=None,
@@ -60,7 +62,8 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                 scheduling_policy=args.scheduling_policy, batching=args.batching, seed=args.seed,
                 prefill_chunk_size=args.prefill_chunk_size,
-                attention_backend=args.attention_backend, warmup=not args.no_warmup)
+                attention_backend=args.attention_backend, warmup=not args.no_warmup,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def serve(args) -> int:

@@ -335,3 +335,10 @@ def test_forced_collision_in_the_scheduler_serves_no_wrong_blocks(monkeypatch):
     sim.run()
     assert other.num_cached_tokens == 0
     assert chunks_of_seq(sim, other.seq_id)[0] == (0, 8)
+
+
+def test_serve_flag_turns_prefix_caching_off():
+    from jaxbatch.cli import _parser, engine_kwargs
+    on = engine_kwargs(_parser().parse_args(["serve"]))
+    off = engine_kwargs(_parser().parse_args(["serve", "--no-enable-prefix-caching"]))
+    assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False

@@ -314,6 +314,32 @@ def test_metrics_parse_and_counters_move(server):
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
 
 
+def test_prefix_cache_hit_reports_cached_tokens_and_keeps_the_text(server):
+    """A 300-token prompt sent again starts from its first 256-token chunk (the server's
+    chunk size): `usage.prompt_tokens_details.cached_tokens` and the prefix-cache counters
+    say so, and the greedy text is the same. Another `cache_salt` never hits."""
+    assert wait_for(lambda: idle(server.base), 30)
+    prompt = " ".join(f"Item {i}: a lamp and a key." for i in range(30))
+    before = metrics(server.base)
+
+    async def ask(c, salt=None):
+        extra = {"cache_salt": salt} if salt else {}
+        return await c.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                          temperature=0, extra_body=extra)
+    first, second, salted = (call(server, ask), call(server, ask),
+                             call(server, lambda c: ask(c, "tenant-b")))
+    n_prompt = first.usage.prompt_tokens
+    assert 256 < n_prompt < 512
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 256
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].text == second.choices[0].text == salted.choices[0].text
+    after = metrics(server.base)
+    delta = lambda name: after[(name, ())] - before.get((name, ()), 0)  # noqa: E731
+    assert delta("vllm:prefix_cache_queries_total") == 3 * n_prompt
+    assert delta("vllm:prefix_cache_hits_total") == 256
+
+
 def test_tokenize_detokenize(server, offline):
     tok = offline.get_tokenizer()
     r = httpx.post(server.base + "/tokenize", json={"prompt": "Hello, world"}).json()

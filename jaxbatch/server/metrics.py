@@ -45,6 +45,10 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           ["model_name", "finished_reason"], registry=reg)
         # Every reason is exported from the start (at 0), as vLLM does, so rate() sees the first one.
@@ -61,7 +65,8 @@ class ServerMetrics:
         # Engine-thread-only state: per live request, per completion index, (tokens so far,
         # time of its last token).
         self._seen: dict[str, dict[int, tuple[int, float]]] = {}
-        self._preemptions = 0
+        # The engine's cumulative counters as last exported, so each step adds its delta.
+        self._exported = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def record(self, outputs, stats: dict, now: float) -> None:
         """One engine iteration: `outputs` from `LLMEngine.step()`, `stats` from `stats()`."""
@@ -72,9 +77,13 @@ class ServerMetrics:
         total = stats["num_total_blocks"]
         self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
         self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))
-        if stats["num_preemptions"] > self._preemptions:
-            self.preemptions.inc(stats["num_preemptions"] - self._preemptions)
-            self._preemptions = stats["num_preemptions"]
+        for key, counter in (("num_preemptions", self.preemptions),
+                             ("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits)):
+            value = stats.get(key, 0)
+            if value > self._exported[key]:
+                counter.inc(value - self._exported[key])
+                self._exported[key] = value
 
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts

@@ -69,6 +69,7 @@ class _SamplingRequest(_Model):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     priority: int = 0
+    cache_salt: str | None = None      # prefix caching: only equal salts share cached blocks
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour."""
@@ -87,7 +88,7 @@ class _SamplingRequest(_Model):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:
@@ -168,10 +169,21 @@ class DetokenizeRequest(_Model):
 
 
 # ---- responses -----------------------------------------------------------------------------
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0             # prompt tokens served from the prefix cache
+
+
 class UsageInfo(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogProbs(_Model):

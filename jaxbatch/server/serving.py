@@ -267,18 +267,19 @@ class OpenAIServing:
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                        usage=P.UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                                          total_tokens=n_prompt + n_gen))
+                                        usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens))
 
     async def _chat_stream(self, req, rid, stream, n_prompt, ticket):
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
                                                      model=self.model_name, choices=[choice])
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
+        cached = 0
         try:
             for i in range(n):   # OpenAI opens every choice with the role
                 yield sse(chunk(P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))))
             async for out in stream:
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = c.index, c.finish_reason is not None
                     delta = c.text[len(sent_text[i]):]
@@ -291,8 +292,7 @@ class OpenAIServing:
                         index=i, delta=P.DeltaMessage(content=delta or (None if fin else "")),
                         logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
             if req.include_usage:
-                usage = P.UsageInfo(prompt_tokens=n_prompt, completion_tokens=sum(sent_tok),
-                                    total_tokens=n_prompt + sum(sent_tok))
+                usage = P.UsageInfo.of(n_prompt, sum(sent_tok), cached)
                 yield sse(P.ChatCompletionChunk(id=rid, created=created, model=self.model_name,
                                                 choices=[], usage=usage))
         except EngineDeadError as e:
@@ -336,15 +336,17 @@ class OpenAIServing:
             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for k in sorted(finals) for c in finals[k].outputs]
         n_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                    usage=P.UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                                      total_tokens=n_prompt + n_gen))
+                                    usage=P.UsageInfo.of(n_prompt, n_gen, cached))
 
     async def _completion_stream(self, req, rid, streams, n_prompt, ticket):
         created, total = int(time.time()), len(streams) * req.n
         sent_text, sent_tok, done = [""] * total, [0] * total, [False] * total
+        cached: dict[int, int] = {}
         try:
             async for k, out in merge(streams):
+                cached[k] = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = k * req.n + c.index, c.finish_reason is not None
                     delta = c.text[len(sent_text[i]):]
@@ -361,8 +363,7 @@ class OpenAIServing:
                                                     finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason)]))
             if req.include_usage:
-                usage = P.UsageInfo(prompt_tokens=n_prompt, completion_tokens=sum(sent_tok),
-                                    total_tokens=n_prompt + sum(sent_tok))
+                usage = P.UsageInfo.of(n_prompt, sum(sent_tok), sum(cached.values()))
                 yield sse(P.CompletionResponse(id=rid, created=created, model=self.model_name,
                                                choices=[], usage=usage))
         except EngineDeadError as e:
