@@ -14,6 +14,9 @@ Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths ar
   online   Poisson arrivals at --request-rate: short requests (short/medium prompts) with long
            prompts among them; p99 TTFT of the short ones with chunked prefill vs chunking
            disabled (jaxbatch continuous only).
+  prefix   prefix caching on vs off: a shared system prompt, multi-turn conversations and
+           distinct prompts (scripts/bench_prefix.py; not in the default set).
+Every timed jaxbatch run starts from an empty prefix cache.
 
 Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
 `engine.warmup()` compiles every bucket; HF: a short untimed run). A token's time is when the
@@ -41,6 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench_prefix
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -236,6 +240,7 @@ def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
     the scheduled arrival, so time spent queued counts in TTFT)."""
     from jaxbatch import SamplingParams
     before = engine.stats()["num_compilations"]
+    engine.reset_prefix_cache()      # a warm-up run of the same prompts must not serve this one
     first_step = len(engine.step_log)
     traces = {r.rid: Trace(r.rid, r.kind, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
     pending = deque(sorted(requests, key=lambda r: r.arrival))
@@ -742,7 +747,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
+    ap.add_argument("--workloads", nargs="+", choices=("offline", "online", "prefix"),
                     default=["offline", "online"])
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="slots (HF: batch size); default 16, 64 with --device gpu")
@@ -777,6 +782,8 @@ def parse_args(argv=None):
                     help="persistent XLA compilation cache dir ('' disables; default "
                          "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
     ap.add_argument("--out", default="bench_out")
+    from bench_prefix import add_arguments as add_prefix_arguments
+    add_prefix_arguments(ap)
     args = ap.parse_args(argv)
     args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
     args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
@@ -827,6 +834,10 @@ def run_cpu(args, report):
                                    args.request_rate, args.online_lengths, args.seed,
                                    args.max_prompt_len)
         report["online"] = bench_online(args, loaded, requests)
+    if "prefix" in args.workloads:
+        from bench_prefix import bench_prefix
+        args.slots, args.max_model_len = args.max_num_seqs, 2048
+        report["prefix"] = bench_prefix(loaded, args)
     floor = Path(args.out) / "decode_floor.json"
     if floor.exists():      # written by scripts/decode_floor.py; shown among the targets
         report["decode_floor"] = json.loads(floor.read_text())
@@ -875,6 +886,10 @@ def markdown(report) -> str:
         for b, s in m["summaries"].items():
             parts.append(f"| {b} | {_fmt(s['mbu_median'], 2)} | {_fmt(s['mbu_aggregate'], 2)} | "
                          f"{_fmt(s['decode_step_ms_median'], 2)} |")
+    if "prefix" in report:
+        from bench_prefix import markdown as prefix_markdown
+        parts.append("\nPrefix caching\n")
+        parts.append(prefix_markdown(report["prefix"]))
     if report.get("targets"):
         parts.append("\nTargets\n")
         parts.append(targets_table(report["targets"]))

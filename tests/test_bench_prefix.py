@@ -1,0 +1,39 @@
+"""Smoke test of scripts/bench_prefix.py on the embedded model with tiny settings: every
+workload runs with the cache on and off, the shared system prompt and the resent histories hit,
+distinct prompts do not, and the greedy outputs of multi-turn conversations are equal."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_prefix_tiny_run(embedded):
+    bench_prefix = _load("bench_prefix")
+    args = argparse.Namespace(
+        prompts=str(REPO / "scripts" / "bench_prompts.json"), slots=4, max_model_len=1024,
+        chunk=256, repeats=1, prefix_requests=3, prefix_rate=100.0, conversations=2, turns=2,
+        output_len=3, seed=0, warmup=False, distinct_requests=4)
+    report = bench_prefix.bench_prefix(embedded, args)
+    shared, multi, distinct = report["shared_system"], report["multi_turn"], report["no_sharing"]
+    assert shared["off"]["hit_tokens"] == 0 and multi["off"]["hit_tokens"] == 0
+    # The ~870-token system prompt: up to its first 768 tokens (3 chunks) are computed once
+    # (requests arriving together compute it side by side until one has registered it).
+    assert shared["on"]["hit_tokens"] > 0 and shared["on"]["hit_tokens"] % 256 == 0
+    assert multi["on"]["hit_tokens"] >= 2 * 768          # turn 2 resends turn 1's prompt
+    assert multi["outputs_equal"]
+    assert distinct["on"]["hit_rate"] == 0.0
+    table = bench_prefix.markdown(report)
+    assert table.count("| shared_system |") == 3
