@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HOST_MODULES = ["jaxbatch", "jaxbatch.block_manager", "jaxbatch.scheduler", "jaxbatch.policies",
+HOST_MODULES = ["jaxbatch", "jaxbatch.block_manager", "jaxbatch.prefix_cache", "jaxbatch.scheduler",
+                "jaxbatch.policies",
                 "jaxbatch.request", "jaxbatch.plan", "jaxbatch.config", "jaxbatch.sampling_params",
                 "jaxbatch.outputs", "jaxbatch.detokenizer",
                 # The server binds its port before the engine thread imports JAX.
