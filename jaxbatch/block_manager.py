@@ -76,16 +76,29 @@ class BlockManager:
             self._ref_counts[block] = 1
             table.append(block)
 
+    def shrink(self, seq_id: int, num_tokens: int) -> None:
+        """Gives back the blocks past what `num_tokens` tokens need (rejected proposals')."""
+        table = self._tables.get(seq_id, [])
+        keep = max(1, self.blocks_for(num_tokens))
+        for block in reversed(table[keep:]):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._release_block(block)
+        del table[keep:]
+
+    def _release_block(self, block: int) -> None:
+        if self.prefix_index is not None and self.prefix_index.is_cached(block):
+            self.prefix_index.park(block)
+        else:
+            self._free.append(block)
+
     def free(self, seq_id: int) -> None:
         # Tail first: in the parked queue a sequence's last blocks are evicted before its
         # first ones, which other prompts are likelier to share.
         for block in reversed(self._tables.pop(seq_id, [])):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                if self.prefix_index is not None and self.prefix_index.is_cached(block):
-                    self.prefix_index.park(block)
-                else:
-                    self._free.append(block)
+                self._release_block(block)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares every block of the parent (copy-on-write is the caller's job)."""

@@ -67,6 +67,11 @@ class IncrementalDetokenizer:
         self._prefix_text = ""    # decode(ids[_prefix:_read]), kept from when _read moved
         self._extra = 0           # characters emitted from ids past _read (before a U+FFFD tail)
 
+    @property
+    def num_seen(self) -> int:
+        """Output ids consumed so far."""
+        return self._seen
+
     def update(self, token_ids, final: bool = False) -> str | None:
         """Consume `token_ids[self._seen:]`. `final=True` (the completion has ended) also flushes
         an incomplete trailing character. Returns the stop string matched now, else None."""

@@ -28,6 +28,7 @@ from jaxbatch.runner import ModelRunner
 from jaxbatch.sampler import MAX_BANNED
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.scheduler import Scheduler
+from jaxbatch.speculative import SpeculativeConfig
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -61,14 +62,18 @@ class LLMEngine:
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
                  compilation_cache: bool = True, enable_prefix_caching: bool = True,
+                 speculative_config: dict | None = None,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `enable_prefix_caching` shares the KV of prompt prefixes already computed (outputs
-        are the same with it off; see jaxbatch/prefix_cache.py).
+        are the same with it off; see jaxbatch/prefix_cache.py). `speculative_config`
+        ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
+        verifies proposed tokens in the decode step; the tokens are the same without it.
         `warmup` compiles every shape the scheduler can produce before the first request, so
         nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
+        speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         if compilation_cache:
             compile_cache.enable()
         loaded = loaded or load_model(model, dtype)
@@ -110,7 +115,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         # What the KV depends on besides the tokens: cached blocks are keyed under it.
         namespace = f"{loaded.source}|{param_dtype}|{mc}|block_size={block_size}"
-        self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace)
+        self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace,
+                                   speculative=speculative)
         if runner is None:
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
@@ -292,7 +298,19 @@ class LLMEngine:
         if detok is None:
             detok = state.detoks[seq.index] = IncrementalDetokenizer(
                 self.tokenizer, seq.params.skip_special_tokens, seq.params.stop)
-        stop = detok.update(seq.output_token_ids, final=seq.is_finished)
+        ids = seq.output_token_ids
+        stop, end = None, detok.num_seen
+        # Several new tokens (an accepted speculative run): one at a time, so a stop string
+        # ends the output at the token where plain decoding would have ended it.
+        while stop is None and end < len(ids) - 1 and seq.params.stop:
+            end += 1
+            stop = detok.update(ids[:end])
+        if stop is None:
+            end = len(ids)
+            stop = detok.update(ids, final=seq.is_finished)
+        elif end < len(ids):
+            del ids[end:]
+            del seq.output_logprobs[end:]
         if stop is not None and seq.status is not SequenceStatus.FINISHED_ABORTED:
             if seq.is_finished:   # the same token also ended it by length or EOS
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
@@ -332,6 +350,7 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         blocks = self.scheduler.blocks
+        spec, counters = self.scheduler.speculative, self.scheduler.spec_counters
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -347,4 +366,10 @@ class LLMEngine:
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "speculative_method": spec.method if spec else None,
+            "spec_num_drafts": counters.num_drafts,
+            "spec_num_draft_tokens": counters.num_draft_tokens,
+            "spec_num_accepted_tokens": counters.num_accepted_tokens,
+            "spec_accepted_per_position": list(counters.accepted_per_position),
+            "spec_mean_accepted_length": counters.mean_accepted_length,
         }

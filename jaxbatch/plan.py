@@ -19,12 +19,14 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class DecodeEntry:
-    """One token (at `position`) of the sequence in `slot`."""
+    """One token (at `position`) of the sequence in `slot`; with speculation, also the proposed
+    tokens that follow it (positions position + 1 ...), each verified in a row of its own."""
     seq_id: int
     slot: int
     token_id: int
     position: int
     block_table: list[int]
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -52,10 +54,13 @@ class StepPlan:
     prefills: list[PrefillChunk]
     decodes: list[DecodeEntry]
     sampling: dict[int, SamplingRow]  # seq_id -> row, for every sequence that samples
+    # seq_id -> the sampling row of each proposed token's verification row
+    draft_sampling: dict[int, list[SamplingRow]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(len(c.token_ids) for c in self.prefills)
+        return (len(self.decodes) + sum(len(d.draft_token_ids) for d in self.decodes)
+                + sum(len(c.token_ids) for c in self.prefills))
 
     @property
     def empty(self) -> bool:
@@ -75,6 +80,8 @@ class StepResult:
     # seq_id -> [(prompt position p, {token: logprob} for the token at p given tokens < p)]
     prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]]
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # seq_id -> the token sampled at each verification row (after each proposed token)
+    draft_sampled: dict[int, list[SampledToken]] = dataclasses.field(default_factory=dict)
 
 
 def pad_block_table(table: list[int], num_pages: int) -> np.ndarray:

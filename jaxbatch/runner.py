@@ -157,9 +157,13 @@ class ModelRunner:
             if any(r is not None and r.logprobs for r in call.rows):
                 top_ids, top_lp = np.asarray(sampled[2]), np.asarray(sampled[3])
             if call.key[0] == "decode":
-                for i, d in enumerate(plan.decodes):
-                    result.sampled[d.seq_id] = _sampled(i, tokens, logprob, top_ids, top_lp,
-                                                        plan.sampling[d.seq_id].logprobs)
+                for i, (seq_id, j) in enumerate(call.decode_rows):
+                    token = _sampled(i, tokens, logprob, top_ids, top_lp,
+                                     plan.sampling[seq_id].logprobs)
+                    if j == 0:
+                        result.sampled[seq_id] = token
+                    else:
+                        result.draft_sampled.setdefault(seq_id, []).append(token)
                 continue
             for i, (chunk, q0) in enumerate(zip(call.chunks, call.q_starts)):
                 if chunk.sample:

@@ -30,6 +30,9 @@ class SamplingParams:
     # Prefix caching: only requests with the same salt share cached blocks (tenant isolation:
     # a cache hit's speed would otherwise reveal another tenant's prompt).
     cache_salt: str | None = None
+    # Speculative decoding (when the engine has it): False keeps this request to one token a
+    # step. The tokens are the same either way.
+    speculate: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):

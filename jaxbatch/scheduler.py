@@ -19,17 +19,20 @@ import time
 
 from jaxbatch.block_manager import BlockManager
 from jaxbatch.config import SchedulerConfig
-from jaxbatch.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan, StepResult
+from jaxbatch.plan import (DecodeEntry, PrefillChunk, SampledToken, SamplingRow, StepPlan,
+                           StepResult)
 from jaxbatch.policies import policy_key
 from jaxbatch.prefix_cache import extend_keys, root_key
 from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
-                 cache_namespace: str = ""):
+                 cache_namespace: str = "", speculative: SpeculativeConfig | None = None):
         """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
-        block size): it roots every prefix-cache key."""
+        block size): it roots every prefix-cache key. `speculative`: proposals verified in
+        the decode call (jaxbatch/speculative.py), or None."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -37,6 +40,9 @@ class Scheduler:
         self.cache_namespace = cache_namespace
         self.prefix_cache_queries = 0    # tokens of admitted sequences looked up in the cache
         self.prefix_cache_hits = 0       # of which found there
+        self.speculative = speculative
+        self.proposer = make_proposer(speculative) if speculative else None
+        self.spec_counters = SpecCounters()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs))
@@ -178,17 +184,20 @@ class Scheduler:
         self.blocks.ensure_capacity(seq.seq_id, num_tokens)
         return True
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, ahead: list[int] = ()) -> SamplingRow:
+        """The row that samples the sequence's next token; `ahead`: proposed tokens assumed
+        accepted before it (a verification row samples what plain decoding would sample there)."""
         p = seq.params
         banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + len(ahead) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        history = seq.prompt_token_ids + seq.output_token_ids + list(ahead) if _uses_penalties(p) else []
         return SamplingRow(
             seq_id=seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
             min_p=p.min_p, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-            seed=seq.seed, position=seq.num_tokens, num_prompt_tokens=seq.num_prompt_tokens,
-            history=seq.prompt_token_ids + seq.output_token_ids if _uses_penalties(p) else [],
+            seed=seq.seed, position=seq.num_tokens + len(ahead),
+            num_prompt_tokens=seq.num_prompt_tokens, history=history,
             banned_token_ids=banned, logprobs=p.logprobs)
 
     def schedule(self) -> StepPlan:
@@ -236,7 +245,57 @@ class Scheduler:
                 sampling[seq.seq_id] = self._sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= chunk
-        return StepPlan(self.step_count, prefills, decodes, sampling)
+        draft_sampling = self._speculate(decodes, budget) if self.proposer else {}
+        return StepPlan(self.step_count, prefills, decodes, sampling, draft_sampling)
+
+    # ---- speculative decoding ------------------------------------------------------------
+    def _speculate(self, decodes: list[DecodeEntry], budget: int) -> dict[int, list[SamplingRow]]:
+        """Proposals for small decode batches, from what is left after everything else: the
+        token budget, rows of the largest decode bucket, free blocks (never a preemption)."""
+        spec = self.speculative
+        if not decodes or len(decodes) > spec.max_batch_size:
+            return {}
+        by_id = {s.seq_id: s for s in self.running}
+        rows_left = self.config.max_num_seqs - len(decodes)
+        draft_sampling = {}
+        for entry in decodes:
+            seq = by_id[entry.seq_id]
+            p = seq.params
+            # Every proposal accepted still leaves room for the sample after it.
+            k = min(spec.num_speculative_tokens, budget, rows_left,
+                    self.config.max_model_len - seq.num_tokens - 1)
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - seq.num_output_tokens - 1)
+            if k <= 0 or not p.speculate:
+                continue
+            proposal = self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+            while proposal and not self.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
+                proposal.pop()
+            if not proposal:
+                continue
+            self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens + len(proposal))
+            entry.block_table = list(self.blocks.block_table(seq.seq_id))
+            entry.draft_token_ids = proposal
+            draft_sampling[seq.seq_id] = [self._sampling_row(seq, proposal[:i])
+                                          for i in range(1, len(proposal) + 1)]
+            budget -= len(proposal)
+            rows_left -= len(proposal)
+        return draft_sampling
+
+    def _accept(self, seq: Sequence, drafts: list[int], samples: list[SampledToken]) -> None:
+        """A proposal stands while it equals the token sampled before it; each accepted one
+        adds its row's sample. Stops apply token by token, so a run ends where plain decoding
+        would end. KV of rejected proposals is dead: never counted computed, overwritten later."""
+        accepted = 0
+        for draft, sampled in zip(drafts, samples):
+            if seq.is_finished or seq.output_token_ids[-1] != draft:
+                break
+            accepted += 1
+            seq.num_computed_tokens += 1
+            self._append(seq, sampled)
+        self.spec_counters.record(len(drafts), accepted)
+        if not seq.is_finished:
+            self.blocks.shrink(seq.seq_id, seq.num_tokens)
 
     # ---- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
@@ -254,19 +313,26 @@ class Scheduler:
         for entry in plan.decodes:
             seqs[entry.seq_id].num_computed_tokens += 1
         advanced = []
+        drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
         for seq_id, sampled in result.sampled.items():
             seq = seqs[seq_id]
-            seq.output_token_ids.append(sampled.token_id)
-            if seq.params.logprobs is not None:
-                top = dict(list((sampled.top_logprobs or {}).items())[: seq.params.logprobs])
-                top[sampled.token_id] = sampled.logprob
-                seq.output_logprobs.append(top)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            self._apply_token_stops(seq)
+            self._append(seq, sampled, now)
+            if seq_id in drafts:
+                self._accept(seq, drafts[seq_id], result.draft_sampled[seq_id])
             advanced.append(seq)
         return advanced
+
+    def _append(self, seq: Sequence, sampled: SampledToken, now: float | None = None) -> None:
+        seq.output_token_ids.append(sampled.token_id)
+        if seq.params.logprobs is not None:
+            top = dict(list((sampled.top_logprobs or {}).items())[: seq.params.logprobs])
+            top[sampled.token_id] = sampled.logprob
+            seq.output_logprobs.append(top)
+        now = time.monotonic() if now is None else now
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        self._apply_token_stops(seq)
 
     def _apply_token_stops(self, seq: Sequence) -> None:
         p = seq.params

@@ -40,6 +40,8 @@ class ModelCall:
     q_starts: list[int] = dataclasses.field(default_factory=list)   # row of each chunk in the call
     targets: np.ndarray | None = None   # prefill: the token after each position, -1 if none
     want_prompt_logprobs: bool = False
+    # decode: (seq_id, j) of each row; j = 0 its token, j >= 1 its j-th proposed token
+    decode_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class StepLayout:
@@ -127,33 +129,42 @@ class StepLayout:
 
     # ---- decode --------------------------------------------------------------------------
     def decode_call(self, plan: StepPlan) -> ModelCall:
-        """Decoding sequences take rows 0..n-1 in plan order; padding rows write into the null
-        block and have length 0."""
+        """Decoding sequences take rows in plan order, each followed by a row per proposed
+        token (speculation; the scheduler keeps the total within max_num_seqs, so no new
+        shapes); padding rows write into the null block and have length 0."""
         bs = self.cfg.block_size
-        b = self.decode_row_bucket(len(plan.decodes))
+        entries = []          # (seq_id, j, token, position, block table, sampling row)
+        for d in plan.decodes:
+            entries.append((d.seq_id, 0, d.token_id, d.position, d.block_table,
+                            plan.sampling[d.seq_id]))
+            for j, (token, row) in enumerate(zip(d.draft_token_ids,
+                                                 plan.draft_sampling.get(d.seq_id, ())), 1):
+                entries.append((d.seq_id, j, token, d.position + j, d.block_table, row))
+        b = self.decode_row_bucket(len(entries))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         slot_mapping = np.zeros(b, np.int32)
         lengths = np.zeros(b, np.int32)             # 0 = padding row
         rows: list[SamplingRow | None] = [None] * b
-        for i, d in enumerate(plan.decodes):
-            tokens[i] = d.token_id
-            positions[i] = d.position
-            slot_mapping[i] = d.block_table[d.position // bs] * bs + d.position % bs
-            lengths[i] = d.position + 1
-            rows[i] = plan.sampling[d.seq_id]
+        for i, (_, _, token, position, table, row) in enumerate(entries):
+            tokens[i] = token
+            positions[i] = position
+            slot_mapping[i] = table[position // bs] * bs + position % bs
+            lengths[i] = position + 1
+            rows[i] = row
         if self.work_lists:
             items = self.decode_item_bucket(num_decode_items(lengths, bs))
-            meta = decode_work_items([(i, d.block_table, d.position + 1)
-                                      for i, d in enumerate(plan.decodes)], b, bs, items) + (lengths,)
+            meta = decode_work_items([(i, e[4], e[3] + 1) for i, e in enumerate(entries)],
+                                     b, bs, items) + (lengths,)
             size = items
         else:
-            size = self.page_bucket(max(len(d.block_table) for d in plan.decodes))
+            size = self.page_bucket(max(len(e[4]) for e in entries))
             tables = np.zeros((b, size), np.int32)
-            for i, d in enumerate(plan.decodes):
-                tables[i] = pad_block_table(d.block_table, size)
+            for i, e in enumerate(entries):
+                tables[i] = pad_block_table(e[4], size)
             meta = (tables, lengths)
-        return ModelCall(("decode", b, size), (tokens, positions, slot_mapping, meta), rows)
+        return ModelCall(("decode", b, size), (tokens, positions, slot_mapping, meta), rows,
+                         decode_rows=[(e[0], e[1]) for e in entries])
 
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:

@@ -1,0 +1,112 @@
+"""Speculative decoding, host side: settings, proposers and the acceptance counters. Pure Python.
+
+A decoding sequence that speculates sends its last token plus k proposed tokens as k + 1 rows of
+the step's decode call (rows of one sequence see each other's KV: each layer writes the rows'
+keys and values before any row attends). Row i samples position num_tokens + i exactly as plain
+decoding would: the same (seed, position) key, penalties over the history with the proposals
+before it, min_tokens bans counted from its own output length. The scheduler accepts proposals
+while each equals the token sampled at the row before it and keeps the first mismatching
+sample, so the tokens are those of decoding without speculation (lossless for any sampling
+settings). A proposer only guesses; it never changes what is sampled.
+
+`Proposer.propose(token_ids, k)` is the one seam: n-gram prompt lookup lives here; another
+proposer (a draft model) plugs in the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Speculate only while at most this many sequences decode: a CPU decode step costs in
+    # proportion to its rows, so extra rows pay off only when a step is mostly fixed cost
+    # (measured in docs/BENCHMARKS.md, "Speculative decoding").
+    max_batch_size: int = 4
+
+    def __post_init__(self):
+        def fail(field, why):
+            raise ValueError(f"speculative_config {field}={getattr(self, field)!r}: {why}")
+        if self.method not in METHODS:
+            fail("method", f"choose one of {', '.join(METHODS)} (draft models are not built yet)")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            fail("num_speculative_tokens", "must be an integer in [1, 16]")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            fail("prompt_lookup_min", "must be an integer >= 1")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            fail("prompt_lookup_max", "must be an integer >= prompt_lookup_min")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            fail("max_batch_size", "must be an integer >= 1")
+
+    @classmethod
+    def from_dict(cls, config: dict | None) -> "SpeculativeConfig | None":
+        if config is None:
+            return None
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict or None, not {type(config).__name__}")
+        unknown = set(config) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        return cls(**config)
+
+
+class NgramProposer:
+    """Prompt lookup: the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) are searched for earlier in its own prompt and output; the tokens that
+    followed the latest earlier occurrence are proposed."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids, np.int64)
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n:]
+            # windows[i] = tokens[i:i + n] for every start that leaves a token after it.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+            starts = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(starts):
+                follow = starts[-1] + n
+                return tokens[follow:follow + k].tolist()
+        return []
+
+
+def make_proposer(config: SpeculativeConfig):
+    return NgramProposer(config)
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """vLLM's spec_decode counters: drafts (sequences that speculated in a step), draft tokens
+    proposed, accepted tokens, accepted tokens by position in the draft."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculating sequence gains per step: accepted proposals plus the sample."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
