@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -44,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of prompt prefixes already computed (on by default)")
+    s.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, as JSON: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\' (off by default)')
     s.add_argument("--no-warmup", action="store_true",
                    help="ready without compiling every shape first (the first requests compile)")
     s.add_argument("--max-num-queued-reqs", type=int, default=None,
@@ -56,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def engine_kwargs(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                 num_blocks=args.num_blocks, max_model_len=args.max_model_len,
@@ -63,7 +77,8 @@ def engine_kwargs(args) -> dict:
                 scheduling_policy=args.scheduling_policy, batching=args.batching, seed=args.seed,
                 prefill_chunk_size=args.prefill_chunk_size,
                 attention_backend=args.attention_backend, warmup=not args.no_warmup,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                speculative_config=args.speculative_config)
 
 
 def serve(args) -> int:

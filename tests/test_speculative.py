@@ -178,3 +178,29 @@ def test_speculation_with_prefix_caching_and_preemption():
     assert sim.sched.prefix_cache_hits > 0 and sim.sched.num_preemptions > 0
     assert all(status.finished for _, status, _ in spec.values())
     assert SequenceStatus.FINISHED_ABORTED not in {status for _, status, _ in spec.values()}
+
+
+def test_serve_flag_parses_speculative_config():
+    from jaxbatch.cli import _parser, engine_kwargs
+    args = _parser().parse_args(["serve", "--speculative-config",
+                                 '{"method": "ngram", "num_speculative_tokens": 5}'])
+    assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5}
+    assert engine_kwargs(_parser().parse_args(["serve"]))["speculative_config"] is None
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
+
+
+def test_metrics_export_spec_counters_as_deltas():
+    from jaxbatch.server.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    base = dict(num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
+                num_preemptions=0)
+    m.record([], {**base, "spec_num_drafts": 2, "spec_num_draft_tokens": 6,
+                  "spec_num_accepted_tokens": 4, "spec_accepted_per_position": [2, 2]}, 0.0)
+    m.record([], {**base, "spec_num_drafts": 3, "spec_num_draft_tokens": 9,
+                  "spec_num_accepted_tokens": 5, "spec_accepted_per_position": [3, 2, 0]}, 1.0)
+    text = m.render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0' in text

@@ -49,6 +49,15 @@ class ServerMetrics:
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Number of accepted tokens.")
+        self.spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
+        self._model_name = model_name
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           ["model_name", "finished_reason"], registry=reg)
         # Every reason is exported from the start (at 0), as vLLM does, so rate() sees the first one.
@@ -66,7 +75,10 @@ class ServerMetrics:
         # time of its last token).
         self._seen: dict[str, dict[int, tuple[int, float]]] = {}
         # The engine's cumulative counters as last exported, so each step adds its delta.
-        self._exported = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._exported = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                          "spec_num_drafts": 0, "spec_num_draft_tokens": 0,
+                          "spec_num_accepted_tokens": 0}
+        self._exported_per_position: list[int] = []
 
     def record(self, outputs, stats: dict, now: float) -> None:
         """One engine iteration: `outputs` from `LLMEngine.step()`, `stats` from `stats()`."""
@@ -79,11 +91,20 @@ class ServerMetrics:
         self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))
         for key, counter in (("num_preemptions", self.preemptions),
                              ("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits)):
+                             ("prefix_cache_hits", self.prefix_hits),
+                             ("spec_num_drafts", self.spec_drafts),
+                             ("spec_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_num_accepted_tokens", self.spec_accepted)):
             value = stats.get(key, 0)
             if value > self._exported[key]:
                 counter.inc(value - self._exported[key])
                 self._exported[key] = value
+        per_position = stats.get("spec_accepted_per_position", [])
+        for pos, value in enumerate(per_position):
+            seen = self._exported_per_position[pos] if pos < len(self._exported_per_position) else 0
+            if value > seen:
+                self.spec_per_position.labels(self._model_name, str(pos)).inc(value - seen)
+        self._exported_per_position = list(per_position)
 
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts

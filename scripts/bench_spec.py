@@ -1,0 +1,185 @@
+"""Speculative decoding (n-gram prompt lookup), on vs off in one run, warm, on the embedded model:
+output tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop: each finished
+request is replaced at once) on two workloads:
+
+  repetitive  "correct this paragraph" requests over paragraphs of scripts/data/system_prompt.txt
+              with a few typos: the answer mostly copies the prompt, as edits and summaries do
+  default     the bundled prompts (scripts/bench_prompts.json), chat template applied
+
+and the decode step time by rows, which sets `max_batch_size` (speculation off above it). Both
+engines share one runner; on/off alternate --repeats times, medians reported; the greedy tokens
+of every request must be equal with speculation on and off (checked, reported).
+
+    python scripts/bench_spec.py [--repeats 2] [--k 3] [--out bench_out]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+
+from bench import DEFAULT_PROMPTS, lognormal_lengths, load_prompts, machine_info, stats_ms, to_json
+from bench_prefix import SYSTEM_PROMPT, chat_ids
+
+TYPOS = [("the ", "teh "), ("and ", "adn "), ("with ", "wiht "), ("for ", "fro ")]
+
+
+def repetitive_prompts(tokenizer) -> list[list[int]]:
+    paragraphs = [p for p in SYSTEM_PROMPT.read_text().split("\n\n") if len(p) > 300]
+    prompts = []
+    for text in paragraphs:
+        for good, bad in TYPOS:
+            text = text.replace(good, bad, 1)
+        prompts.append(chat_ids(tokenizer, [{"role": "user", "content":
+                       "Correct the spelling mistakes in this paragraph and return the whole "
+                       f"paragraph, nothing else:\n\n{text}"}]))
+    return prompts
+
+
+def closed_loop(engine, prompts, output_lens, concurrency) -> dict:
+    """Keeps `concurrency` requests in flight until all are done; greedy, ignore_eos."""
+    from jaxbatch import SamplingParams
+    engine.reset_prefix_cache()
+    before = engine.stats()
+    queue = list(range(len(prompts)))
+    times: dict[int, list[float]] = {}
+    tokens: dict[int, list[int]] = {}
+    start = time.monotonic()
+    while queue or engine.has_unfinished_requests():
+        while queue and engine.get_num_unfinished_requests() < concurrency:
+            i = queue.pop(0)
+            times[i] = []
+            engine.add_request(str(i), prompts[i], SamplingParams(
+                temperature=0, max_tokens=output_lens[i], ignore_eos=True))
+        for out in engine.step():
+            i, now = int(out.request_id), time.monotonic()
+            times[i] += [now] * (len(out.outputs[0].token_ids) - len(times[i]))
+            if out.finished:
+                tokens[i] = out.outputs[0].token_ids
+    duration = time.monotonic() - start
+    after = engine.stats()
+    out_tokens = sum(len(t) for t in tokens.values())
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    return {"output_tokens_per_s": out_tokens / duration, "duration_s": duration,
+            "tpot": stats_ms(tpot), "steps": after["num_steps"] - before["num_steps"],
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "compilations_after_warmup": after["num_compilations_after_warmup"],
+            "tokens": [tokens[i] for i in range(len(prompts))]}
+
+
+def decode_step_ms_by_rows(engine, rows_list, repeats=5) -> dict:
+    """Median time of a decode-only step at each row count: what one more row costs."""
+    from jaxbatch import SamplingParams
+    out = {}
+    for rows in rows_list:
+        engine.reset_prefix_cache()
+        for i in range(rows):
+            engine.add_request(f"r{rows}-{i}", [100 + i, 200, 300, 400],
+                               SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True))
+        engine.step()                       # the prefill step
+        engine.step()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.step()
+            samples.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out[rows] = 1e3 * statistics.median(samples)
+    return out
+
+
+def bench_spec(loaded, args) -> dict:
+    from jaxbatch.engine import LLMEngine
+    spec = {"method": "ngram", "num_speculative_tokens": args.k,
+            "max_batch_size": args.max_batch_size}
+    on = LLMEngine(loaded=loaded, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
+    off = LLMEngine(loaded=loaded, runner=on.runner, max_num_seqs=16, max_model_len=2048)
+    engines = {"on": on, "off": off}
+    tokenizer = loaded.tokenizer
+    entries = load_prompts(args.prompts)
+    default = [chat_ids(tokenizer, [{"role": "user", "content": e["text"]}]) for e in entries]
+    rng = np.random.default_rng(0)
+    workloads = {
+        "repetitive": (repetitive_prompts(tokenizer), None),
+        "default": (default, lognormal_lengths(rng, len(default), 48, 0.7, 8, 160)),
+    }
+    report = {"speculative_config": spec, "repeats": args.repeats,
+              "step_ms_by_rows": decode_step_ms_by_rows(off, [1, 2, 4, 8, 16])}
+    for name, (prompts, lens) in workloads.items():
+        for conc in args.concurrency:
+            n = max(conc, args.requests_per_slot * conc)
+            chosen = [prompts[i % len(prompts)] for i in range(n)]
+            out_lens = [args.repetitive_output if lens is None else lens[i % len(lens)]
+                        for i in range(n)]
+            runs = {"on": [], "off": []}
+            for r in range(args.repeats):
+                for which in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                    runs[which].append(closed_loop(engines[which], chosen, out_lens, conc))
+            med = lambda w, f: statistics.median(f(x) for x in runs[w])  # noqa: E731
+            entry = {w: {"output_tokens_per_s": med(w, lambda x: x["output_tokens_per_s"]),
+                         "tpot_median_ms": med(w, lambda x: x["tpot"]["median_ms"]),
+                         "steps": runs[w][0]["steps"], "acceptance": runs[w][0]["acceptance"],
+                         "compilations_after_warmup": runs[w][-1]["compilations_after_warmup"]}
+                     for w in runs}
+            entry["speedup"] = entry["on"]["output_tokens_per_s"] / entry["off"]["output_tokens_per_s"]
+            entry["outputs_equal"] = all(a["tokens"] == b["tokens"]
+                                         for a, b in zip(runs["on"], runs["off"]))
+            entry["requests"] = n
+            report[f"{name}@{conc}"] = entry
+            print(f"{name}@{conc}: {json.dumps({k: v for k, v in entry.items()}, default=str)}",
+                  flush=True)
+    return report
+
+
+def markdown(report) -> str:
+    rows = ["| workload @ concurrency | tok/s off | tok/s on | speedup | TPOT off ms | TPOT on ms "
+            "| acceptance | steps off/on | equal |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, e in report.items():
+        if "@" not in key:
+            continue
+        acc = e["on"]["acceptance"]
+        rows.append(f"| {key} | {e['off']['output_tokens_per_s']:.1f} | "
+                    f"{e['on']['output_tokens_per_s']:.1f} | {e['speedup']:.2f} | "
+                    f"{e['off']['tpot_median_ms']:.0f} | {e['on']['tpot_median_ms']:.0f} | "
+                    f"{'-' if acc is None else f'{acc:.2f}'} | {e['off']['steps']}/{e['on']['steps']} | "
+                    f"{e['outputs_equal']} |")
+    steps = report["step_ms_by_rows"]
+    rows.append("\nDecode-only step ms by rows: " + ", ".join(f"{r}: {v:.1f}" for r, v in steps.items()))
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--max-batch-size", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--repetitive-output", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    from jaxbatch.model.loader import load_model
+    start = time.perf_counter()
+    report = {"machine": machine_info(), "command": " ".join(sys.argv)}
+    report.update(bench_spec(load_model(dtype="float32"), args))
+    report["bench_seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_spec.json").write_text(json.dumps(report, indent=1, default=to_json))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
