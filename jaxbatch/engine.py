@@ -18,6 +18,7 @@ import numpy as np
 from jaxbatch import compile_cache
 from jaxbatch.config import SchedulerConfig, next_power_of_two
 from jaxbatch.detokenizer import IncrementalDetokenizer
+from jaxbatch.draft_model import DraftModelProposer
 from jaxbatch.kv_cache import blocks_for_budget
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model import llama
@@ -115,8 +116,15 @@ class LLMEngine:
         self.eos_token_ids = eos
         # What the KV depends on besides the tokens: cached blocks are keyed under it.
         namespace = f"{loaded.source}|{param_dtype}|{mc}|block_size={block_size}"
+        proposer = None
+        if speculative is not None and speculative.method == "draft_model":
+            proposer = DraftModelProposer(
+                speculative.model, target_vocab_size=mc.vocab_size,
+                max_num_seqs=speculative.max_batch_size, max_model_len=max_model_len,
+                dtype=dtype, warmup=warmup, compilation_cache=compilation_cache,
+                attention_backend=attention_backend)
         self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace,
-                                   speculative=speculative)
+                                   speculative=speculative, proposer=proposer)
         if runner is None:
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,

@@ -29,10 +29,12 @@ from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
-                 cache_namespace: str = "", speculative: SpeculativeConfig | None = None):
+                 cache_namespace: str = "", speculative: SpeculativeConfig | None = None,
+                 proposer=None):
         """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
         block size): it roots every prefix-cache key. `speculative`: proposals verified in
-        the decode call (jaxbatch/speculative.py), or None."""
+        the decode call (jaxbatch/speculative.py), or None; `proposer` overrides the one it
+        names (the engine builds draft models)."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -41,7 +43,7 @@ class Scheduler:
         self.prefix_cache_queries = 0    # tokens of admitted sequences looked up in the cache
         self.prefix_cache_hits = 0       # of which found there
         self.speculative = speculative
-        self.proposer = make_proposer(speculative) if speculative else None
+        self.proposer = proposer or (make_proposer(speculative) if speculative else None)
         self.spec_counters = SpecCounters()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -257,7 +259,7 @@ class Scheduler:
             return {}
         by_id = {s.seq_id: s for s in self.running}
         rows_left = self.config.max_num_seqs - len(decodes)
-        draft_sampling = {}
+        wanted = {}
         for entry in decodes:
             seq = by_id[entry.seq_id]
             p = seq.params
@@ -268,7 +270,13 @@ class Scheduler:
                 k = min(k, p.max_tokens - seq.num_output_tokens - 1)
             if k <= 0 or not p.speculate:
                 continue
-            proposal = self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+            wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
+            budget -= k
+            rows_left -= k
+        proposals = self.proposer.propose_batch(wanted) if wanted else {}
+        draft_sampling = {}
+        for entry in decodes:
+            seq, proposal = by_id[entry.seq_id], list(proposals.get(entry.seq_id, ()))
             while proposal and not self.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
                 proposal.pop()
             if not proposal:
@@ -278,8 +286,6 @@ class Scheduler:
             entry.draft_token_ids = proposal
             draft_sampling[seq.seq_id] = [self._sampling_row(seq, proposal[:i])
                                           for i in range(1, len(proposal) + 1)]
-            budget -= len(proposal)
-            rows_left -= len(proposal)
         return draft_sampling
 
     def _accept(self, seq: Sequence, drafts: list[int], samples: list[SampledToken]) -> None:

@@ -9,8 +9,9 @@ while each equals the token sampled at the row before it and keeps the first mis
 sample, so the tokens are those of decoding without speculation (lossless for any sampling
 settings). A proposer only guesses; it never changes what is sampled.
 
-`Proposer.propose(token_ids, k)` is the one seam: n-gram prompt lookup lives here; another
-proposer (a draft model) plugs in the same way.
+`propose_batch({seq_id: (token_ids, k)}) -> {seq_id: proposal}` is the one seam: n-gram prompt
+lookup lives here; a draft model (jaxbatch/draft_model.py: a second engine over its own paged
+KV pool, greedy) is built by the engine, which keeps this module and the scheduler free of JAX.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +33,15 @@ class SpeculativeConfig:
     # proportion to its rows, so extra rows pay off only when a step is mostly fixed cost
     # (measured in docs/BENCHMARKS.md, "Speculative decoding").
     max_batch_size: int = 4
+    model: str | None = None          # draft_model: a checkpoint with the target's vocabulary
 
     def __post_init__(self):
         def fail(field, why):
             raise ValueError(f"speculative_config {field}={getattr(self, field)!r}: {why}")
         if self.method not in METHODS:
-            fail("method", f"choose one of {', '.join(METHODS)} (draft models are not built yet)")
+            fail("method", f"choose one of {', '.join(METHODS)}")
+        if self.method == "draft_model" and not self.model:
+            fail("model", "draft_model needs a model path")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             fail("num_speculative_tokens", "must be an integer in [1, 16]")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
@@ -70,6 +74,9 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
+    def propose_batch(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        return {sid: self.propose(tokens, k) for sid, (tokens, k) in requests.items()}
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         tokens = np.asarray(token_ids, np.int64)
         total = len(tokens)
@@ -85,6 +92,8 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig):
+    if config.method != "ngram":
+        raise ValueError(f"the engine builds the {config.method} proposer")
     return NgramProposer(config)
 
 

@@ -5,6 +5,8 @@ with preemption and prefix caching; warmed up, nothing compiles. On the embedded
 repetitive prompt is mostly accepted."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -113,3 +115,38 @@ def test_repetitive_prompt_is_mostly_accepted_on_the_embedded_model(embedded):
     again = plain.chat([{"role": "user", "content": f"Repeat this list exactly, once: {items}"}],
                        SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_draft_model_proposals_are_lossless_and_a_twin_draft_is_always_right():
+    """The target itself as its own draft: every greedy proposal is accepted. A different
+    random model as the draft: few are, and the tokens still equal plain decoding's."""
+    from jaxbatch.model.loader import LoadedModel
+    from tiny_models import ours_from_hf
+    target = make_hf_model("llama_untied_gqa2", seed=8)
+    other = make_hf_model("llama_tied_mha", seed=9)
+    as_loaded = lambda m: LoadedModel(*ours_from_hf(m), tokenizer=None, source="tiny",  # noqa: E731
+                                      load_seconds=0.0, from_cache=False)
+    prompts = random_token_prompts(np.random.default_rng(3), [5, 20, 37])
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)]
+    plain = tiny_engine(target, max_num_seqs=4, max_model_len=64)
+    want = [result(o) for o in run_all(plain, prompts, params)]
+    for draft, greedy_acceptance in ((target, 1.0), (other, None)):
+        config = {"method": "draft_model", "model": as_loaded(draft), "num_speculative_tokens": 3}
+        engine = LLMEngine(loaded=plain.loaded, runner=plain.runner, max_num_seqs=4,
+                           max_model_len=64, warmup=False, compilation_cache=False,
+                           speculative_config=config)
+        assert [result(o) for o in run_all(engine, prompts[:1], params[:1])] == want[:1]
+        stats = engine.stats()
+        acceptance = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+        if greedy_acceptance is not None:
+            assert acceptance == greedy_acceptance
+        assert [result(o) for o in run_all(engine, prompts, params)] == want
+    with pytest.raises(ValueError, match="vocabulary"):
+        small_vocab = LoadedModel(*ours_from_hf(target), tokenizer=None, source="tiny",
+                                  load_seconds=0.0, from_cache=False)
+        small_vocab.config = dataclasses.replace(small_vocab.config, vocab_size=100)
+        LLMEngine(loaded=plain.loaded, runner=plain.runner, max_num_seqs=4, max_model_len=64,
+                  warmup=False, compilation_cache=False,
+                  speculative_config={"method": "draft_model", "model": small_vocab})
