@@ -338,6 +338,8 @@ def test_prefix_cache_hit_reports_cached_tokens_and_keeps_the_text(server):
     delta = lambda name: after[(name, ())] - before.get((name, ()), 0)  # noqa: E731
     assert delta("vllm:prefix_cache_queries_total") == 3 * n_prompt
     assert delta("vllm:prefix_cache_hits_total") == 256
+    assert httpx.post(server.base + "/reset_prefix_cache").status_code == 200
+    assert call(server, ask).usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_tokenize_detokenize(server, offline):

@@ -153,6 +153,13 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
         if llm.state == "dead":
             raise EngineDeadError(f"the engine has stopped: {llm.error!r}")
 
+    @v1.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forget every cached prefix (e.g. after a benchmark's warm-up)."""
+        _require_ready()
+        llm.reset_prefix_cache()
+        return Response(status_code=200)
+
     @v1.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest):
         _require_ready()

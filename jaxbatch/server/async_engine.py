@@ -272,6 +272,10 @@ class AsyncLLM:
         """Non-blocking; the final output (finish_reason "abort") arrives after the next step."""
         self._submit(("abort", request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Non-blocking; done by the engine thread before its next step."""
+        self._submit(("reset_prefix_cache",))
+
     def _submit(self, command: tuple) -> None:
         with self._cv:
             self._commands.append(command)
@@ -352,6 +356,8 @@ class AsyncLLM:
                         continue
                     live.add(rid)
                     self._post(self._accept, rid, None)
+                elif command[0] == "reset_prefix_cache":
+                    engine.reset_prefix_cache()
                 elif command[1] in live:
                     engine.abort_request(command[1])
             if stop:
