@@ -27,6 +27,9 @@ from jaxbatch.request import Sequence, SequenceStatus
 from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 
+MAX_SPEC_BACKOFF = 16
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
                  cache_namespace: str = "", speculative: SpeculativeConfig | None = None,
@@ -268,7 +271,7 @@ class Scheduler:
                     self.config.max_model_len - seq.num_tokens - 1)
             if p.max_tokens is not None:
                 k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-            if k <= 0 or not p.speculate:
+            if k <= 0 or not p.speculate or self.step_count < seq.spec_resume_step:
                 continue
             wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
             budget -= k
@@ -300,6 +303,10 @@ class Scheduler:
             seq.num_computed_tokens += 1
             self._append(seq, sampled)
         self.spec_counters.record(len(drafts), accepted)
+        # Rows that verify nothing still cost a CPU step time: a sequence whose text does not
+        # repeat stops proposing for a while (1, 2, 4 .. MAX_SPEC_BACKOFF steps).
+        seq.spec_backoff = 0 if accepted else min(MAX_SPEC_BACKOFF, max(1, 2 * seq.spec_backoff))
+        seq.spec_resume_step = self.step_count + 1 + seq.spec_backoff
         if not seq.is_finished:
             self.blocks.shrink(seq.seq_id, seq.num_tokens)
 

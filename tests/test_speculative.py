@@ -204,3 +204,23 @@ def test_metrics_export_spec_counters_as_deltas():
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0' in text
+
+
+def test_a_sequence_whose_proposals_fail_backs_off():
+    """A model whose next token is pseudo-random over 10 values: prompt lookup always finds
+    something to propose and is mostly wrong, so proposing pauses for 1, 2, 4, ... steps after
+    each miss; the tokens are unchanged."""
+    import test_speculative as me
+    original = me.fake_model
+    me.fake_model = lambda tokens: 3 + random.Random(len(tokens)).randrange(10)
+    try:
+        prompt = list(range(3, 13)) * 2
+        plain, _ = run_pair([(prompt, dict(max_tokens=80, ignore_eos=True))], None, max_model_len=128)
+        spec, sim = run_pair([(prompt, dict(max_tokens=80, ignore_eos=True))],
+                             dict(num_speculative_tokens=3, prompt_lookup_min=1), max_model_len=128)
+    finally:
+        me.fake_model = original
+    assert spec == plain
+    counters = sim.sched.spec_counters
+    assert counters.num_accepted_tokens < counters.num_draft_tokens / 3
+    assert 0 < counters.num_drafts < 80 / 3       # far from one draft per step
