@@ -3,12 +3,11 @@
 One `step()` reads as: schedule (host) -> execute (device) -> update (host). The request's
 journey: `add_request` validates and queues its sequences in the scheduler's waiting list;
 `step` admits them into slots, prefills them in chunks, decodes one token per step; stops are
-applied in `Scheduler.update` (tokens) and `_apply_stop_strings` (text); a finished request's
+applied in `Scheduler.update` (tokens) and `RequestState.apply_stop_strings` (text); a finished request's
 blocks and slot are freed at once and its final output is returned by that same step.
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 
@@ -17,14 +16,14 @@ import numpy as np
 
 from jaxbatch import compile_cache
 from jaxbatch.config import SchedulerConfig, next_power_of_two
-from jaxbatch.detokenizer import IncrementalDetokenizer
 from jaxbatch.draft_model import DraftModelProposer
 from jaxbatch.kv_cache import blocks_for_budget
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
-from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxbatch.outputs import RequestOutput
 from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.request_state import RequestState
 from jaxbatch.runner import ModelRunner
 from jaxbatch.sampler import MAX_BANNED
 from jaxbatch.sampling_params import SamplingParams
@@ -35,24 +34,6 @@ DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_BUDGET_BYTES = 1 << 30
 GPU_KV_MEMORY_FRACTION = 0.5
-
-
-@dataclasses.dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seqs: list[Sequence]
-    texts: list[str]
-    # One incremental detokenizer per completion (by index), made on its first token: decoding
-    # only the new tokens keeps text O(1) per token instead of re-decoding the whole output.
-    detoks: dict[int, IncrementalDetokenizer] = dataclasses.field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -134,7 +115,7 @@ class LLMEngine:
                              "max_model_len and prefill chunk size as this engine")
         self.runner = runner
         self._rng = random.Random(seed)
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
         self._pending_outputs: list[RequestOutput] = []
@@ -232,7 +213,7 @@ class LLMEngine:
                 seq.prompt_logprobs = [None] * len(ids)
             self._next_seq_id += 1
             seqs.append(seq)
-        self._requests[request_id] = _RequestState(request_id, text, ids, params, now, seqs,
+        self._requests[request_id] = RequestState(request_id, text, ids, params, now, seqs,
                                                    [""] * params.n)
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
@@ -248,7 +229,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._seqs.pop(seq.seq_id, None)
-            self._pending_outputs.append(self._make_output(state))
+            self._pending_outputs.append(state.make_output())
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks in use stay with their sequences)."""
@@ -284,76 +265,18 @@ class LLMEngine:
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
                               blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
 
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for seq in advanced:
             state = self._requests[seq.request_id]
-            self._apply_stop_strings(state, seq)
+            state.apply_stop_strings(seq, self.tokenizer, self.scheduler.finish)
             touched[seq.request_id] = state
         for rid, state in touched.items():
-            outputs.append(self._make_output(state))
+            outputs.append(state.make_output())
             if state.finished:
                 del self._requests[rid]
                 for seq in state.seqs:
                     self._seqs.pop(seq.seq_id, None)
         return outputs
-
-    def _apply_stop_strings(self, state: _RequestState, seq: Sequence) -> None:
-        """Decodes the sequence's new tokens (jaxbatch/detokenizer.py) and ends it at the first
-        stop string; its text is then cut before the stop string (the tokens stay)."""
-        if self.tokenizer is None:
-            return
-        detok = state.detoks.get(seq.index)
-        if detok is None:
-            detok = state.detoks[seq.index] = IncrementalDetokenizer(
-                self.tokenizer, seq.params.skip_special_tokens, seq.params.stop)
-        ids = seq.output_token_ids
-        stop, end = None, detok.num_seen
-        # Several new tokens (an accepted speculative run): one at a time, so a stop string
-        # ends the output at the token where plain decoding would have ended it.
-        while stop is None and end < len(ids) - 1 and seq.params.stop:
-            end += 1
-            stop = detok.update(ids[:end])
-        if stop is None:
-            end = len(ids)
-            stop = detok.update(ids, final=seq.is_finished)
-        elif end < len(ids):
-            del ids[end:]
-            del seq.output_logprobs[end:]
-        if stop is not None and seq.status is not SequenceStatus.FINISHED_ABORTED:
-            if seq.is_finished:   # the same token also ended it by length or EOS
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            else:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
-
-    def _text(self, state: _RequestState, seq: Sequence) -> str:
-        """Finished: the whole text (without the stop string). Running: the part that is safe
-        to stream, i.e. without the tail that could still begin a stop string."""
-        detok = state.detoks.get(seq.index)
-        if detok is None:
-            return state.texts[seq.index]
-        if seq.is_finished:
-            detok.update(seq.output_token_ids, final=True)   # aborted: flush what is left
-        return detok.output_text(seq.is_finished)
-
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        seqs = state.seqs
-        completions = [CompletionOutput(
-            index=s.index, text=self._text(state, s), token_ids=list(s.output_token_ids),
-            logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
-        times = lambda attr: [getattr(s, attr) for s in seqs if getattr(s, attr) is not None]
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min(times("first_scheduled_time"), default=None),
-            first_token_time=min(times("first_token_time"), default=None),
-            last_token_time=max(times("last_token_time"), default=None),
-            finished_time=max(times("finished_time"), default=None) if state.finished else None,
-            num_preemptions=sum(s.num_preemptions for s in seqs))
-        prompt_lp = list(seqs[0].prompt_logprobs) if state.params.prompt_logprobs is not None else None
-        cached = [s.num_cached_tokens for s in seqs if s.num_cached_tokens is not None]
-        return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
-                             prompt_lp, completions, state.finished, metrics,
-                             num_cached_tokens=max(cached, default=0))
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

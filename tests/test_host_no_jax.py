@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 HOST_MODULES = ["jaxbatch", "jaxbatch.block_manager", "jaxbatch.prefix_cache", "jaxbatch.scheduler",
+                "jaxbatch.request_state",
                 "jaxbatch.speculative",
                 "jaxbatch.policies",
                 "jaxbatch.request", "jaxbatch.plan", "jaxbatch.config", "jaxbatch.sampling_params",
