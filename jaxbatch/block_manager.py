@@ -110,14 +110,16 @@ class BlockManager:
         self._tables[child_seq_id] = table
 
     # ---- prefix caching ------------------------------------------------------------------
-    def cached_prefix(self, keys: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest prefix of these full-block `keys` (the block
-        tokens are compared too)."""
+    def cached_prefix(self, keys: Sequence[bytes], token_ids: Sequence[int],
+                      root: bytes) -> list[int]:
+        """The cached blocks holding the longest prefix of these full-block `keys` (chained
+        from `root`; each block's parent key and tokens are compared too)."""
         if self.prefix_index is None:
             return []
         bs, hits = self.block_size, []
         for i, key in enumerate(keys):
-            block = self.prefix_index.lookup(key, token_ids[i * bs:(i + 1) * bs])
+            parent = keys[i - 1] if i else root
+            block = self.prefix_index.lookup(key, parent, token_ids[i * bs:(i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
@@ -139,10 +141,11 @@ class BlockManager:
             self._ref_counts[block] += 1
         self._tables[seq_id] = list(hit_blocks)
 
-    def register_cached(self, seq_id: int, index: int, key: bytes, token_ids: Sequence[int]) -> None:
+    def register_cached(self, seq_id: int, index: int, key: bytes, parent: bytes,
+                        token_ids: Sequence[int]) -> None:
         """Block `index` of the sequence now holds exactly the KV a cold run computes for this
-        prefix: later prompts may share it."""
-        self.prefix_index.register(self._tables[seq_id][index], key, token_ids)
+        prefix (`parent`: the previous block's key, or the root): later prompts may share it."""
+        self.prefix_index.register(self._tables[seq_id][index], key, parent, token_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix; parked blocks become plain free blocks."""

@@ -10,11 +10,13 @@ own sample (jaxbatch/speculative.py), which is lossless for any target sampling 
 from __future__ import annotations
 
 import itertools
+import logging
 
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.sampling_params import SamplingParams
 
 DRAFT_PREFILL_CHUNK = 32   # small: a draft recomputes up to a chunk of each sequence per step
+logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
@@ -27,23 +29,36 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config model: vocabulary of {loaded.config.vocab_size} "
                              f"tokens, the target's has {target_vocab_size}: the draft must share "
                              "the target's tokenizer")
+        # Past the draft's own context it proposes nothing (sequences longer than it can hold).
+        self.max_len = min(max_model_len, loaded.config.max_position_embeddings)
         self.engine = LLMEngine(
-            loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=warmup,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
             enable_prefix_caching=True)
         self._ids = itertools.count()
 
     def propose_batch(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """A draft failure costs its proposals, never the target's step."""
         seq_of = {}
-        for seq_id, (token_ids, k) in requests.items():
-            rid = f"draft-{next(self._ids)}"
-            self.engine.add_request(rid, token_ids, SamplingParams(
-                temperature=0, max_tokens=k, ignore_eos=True))
-            seq_of[rid] = seq_id
         proposals = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    proposals[seq_of[out.request_id]] = list(out.outputs[0].token_ids)
+        try:
+            for seq_id, (token_ids, k) in requests.items():
+                k = min(k, self.max_len - 1 - len(token_ids))
+                if k <= 0:
+                    continue
+                rid = f"draft-{next(self._ids)}"
+                self.engine.add_request(rid, token_ids, SamplingParams(
+                    temperature=0, max_tokens=k, ignore_eos=True))
+                seq_of[rid] = seq_id
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        proposals[seq_of[out.request_id]] = list(out.outputs[0].token_ids)
+        except Exception:   # noqa: BLE001 - log it, abort the draft requests, propose nothing
+            logger.exception("the draft model failed; no proposals this step")
+            self.engine.abort_request(list(seq_of))
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            return {}
         return proposals

@@ -37,5 +37,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # Prompt tokens served from the prefix cache (the most any of the request's samples got).
+    # Prompt tokens served from the prefix cache (by earlier requests; n > 1 samples sharing
+    # the prompt computed by the first are counted in stats()["prefix_cache_hits"] only).
     num_cached_tokens: int = 0

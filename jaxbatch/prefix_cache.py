@@ -4,7 +4,8 @@ A block's key is sha256 over its parent block's key and its own token ids, and t
 from a root key that names the model, dtype, block size and the request's `cache_salt`. So a key
 names the whole prefix up to the block's end, and requests with different salts (tenants) can
 never meet. A hit also compares the stored token ids, so even a hash collision cannot serve
-another prefix's KV.
+another prefix's KV: the stored parent key and token ids must match too, so a hit needs the
+same tokens after the same (already matched) prefix.
 
 `PrefixIndex` is the bookkeeping only: key -> block, and the cached blocks no sequence holds
 (reference count 0) in least-recently-used order, evicted on demand. Which blocks may be
@@ -40,7 +41,8 @@ def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_
 class PrefixIndex:
     def __init__(self):
         self._block_of: dict[bytes, int] = {}
-        self._entry_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}   # block -> (key, tokens)
+        # block -> (key, parent key, tokens)
+        self._entry_of: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
         # Cached blocks nobody holds, least recently used first: eviction pops from the front.
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
@@ -57,19 +59,19 @@ class PrefixIndex:
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 
-    def lookup(self, key: bytes, token_ids: Sequence[int]) -> int | None:
+    def lookup(self, key: bytes, parent: bytes, token_ids: Sequence[int]) -> int | None:
         block = self._block_of.get(key)
-        if block is None or self._entry_of[block][1] != tuple(token_ids):
+        if block is None or self._entry_of[block][1:] != (parent, tuple(token_ids)):
             return None
         return block
 
-    def register(self, block: int, key: bytes, token_ids: Sequence[int]) -> bool:
+    def register(self, block: int, key: bytes, parent: bytes, token_ids: Sequence[int]) -> bool:
         """False (nothing changes) if the block is already cached or another block already
         holds this key (two sequences computed the same prefix at once: the first one wins)."""
         if block in self._entry_of or key in self._block_of:
             return False
         self._block_of[key] = block
-        self._entry_of[block] = (key, tuple(token_ids))
+        self._entry_of[block] = (key, parent, tuple(token_ids))
         return True
 
     # ---- the evictable queue -------------------------------------------------------------
@@ -87,7 +89,7 @@ class PrefixIndex:
         return block
 
     def _forget(self, block: int) -> None:
-        key, _ = self._entry_of.pop(block)
+        key = self._entry_of.pop(block)[0]
         del self._block_of[key]
 
     def clear(self) -> list[int]:

@@ -81,7 +81,8 @@ class RequestState:
             finished_time=max(times("finished_time"), default=None) if self.finished else None,
             num_preemptions=sum(s.num_preemptions for s in seqs))
         prompt_lp = list(seqs[0].prompt_logprobs) if self.params.prompt_logprobs is not None else None
-        cached = [s.num_cached_tokens for s in seqs if s.num_cached_tokens is not None]
+        # The first sample's: what earlier requests left in the cache (later samples of the
+        # same request start from the prompt the first one computed; that is not a hit).
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              prompt_lp, completions, self.finished, metrics,
-                             num_cached_tokens=max(cached, default=0))
+                             num_cached_tokens=seqs[0].num_cached_tokens or 0)

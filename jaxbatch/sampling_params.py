@@ -84,6 +84,8 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not self.cache_salt):
             fail("cache_salt", "must be None or a non-empty string")
+        if not isinstance(self.speculate, bool):
+            fail("speculate", "must be a bool")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
 

@@ -109,9 +109,11 @@ class Scheduler:
             need = self.blocks.num_blocks_taken_by(hits, seq.num_tokens + 1)
             if outstanding + need > self.blocks.num_free_blocks:
                 break  # do not let a later, smaller request overtake the policy's order
-            outstanding += need
             self.waiting.remove(seq)
+            free_before = self.blocks.num_free_blocks
             self._start_from_cache(seq, hits)
+            # Parked hits left the free count just now; only the new blocks are still owed.
+            outstanding += need - (free_before - self.blocks.num_free_blocks)
             seq.slot = self.free_slots.pop(0)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -139,7 +141,9 @@ class Scheduler:
             return []
         bs, per_hit = self.config.block_size, self.config.prefix_hit_granularity // self.config.block_size
         tokens = seq.tokens(0, limit)
-        hits = self.blocks.cached_prefix(self._keys(seq, limit // bs, tokens), tokens)
+        keys = self._keys(seq, limit // bs, tokens)[:limit // bs]
+        root = root_key(self.cache_namespace, seq.params.cache_salt)
+        hits = self.blocks.cached_prefix(keys, tokens, root)
         return hits[:len(hits) // per_hit * per_hit]
 
     def _start_from_cache(self, seq: Sequence, hits: list[int]) -> None:
@@ -170,8 +174,10 @@ class Scheduler:
         end = chunk.start + len(chunk.token_ids)
         tokens = seq.tokens(0, end // bs * bs)
         keys = self._keys(seq, end // bs, tokens)
+        root = root_key(self.cache_namespace, seq.params.cache_salt)
         for i in range(chunk.start // bs, end // bs):
-            self.blocks.register_cached(seq.seq_id, i, keys[i], tokens[i * bs:(i + 1) * bs])
+            self.blocks.register_cached(seq.seq_id, i, keys[i], keys[i - 1] if i else root,
+                                        tokens[i * bs:(i + 1) * bs])
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -295,6 +301,8 @@ class Scheduler:
         """A proposal stands while it equals the token sampled before it; each accepted one
         adds its row's sample. Stops apply token by token, so a run ends where plain decoding
         would end. KV of rejected proposals is dead: never counted computed, overwritten later."""
+        if seq.is_finished:
+            return     # its own token ended it: the proposals were never in question
         accepted = 0
         for draft, sampled in zip(drafts, samples):
             if seq.is_finished or seq.output_token_ids[-1] != draft:

@@ -16,6 +16,7 @@ from jaxbatch.sampling_params import SamplingParams
 from test_scheduler import Sim, assert_drained, check_scheduler
 
 BS = 4
+ROOT = b"r"
 
 
 # ---- keys --------------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def cache_blocks(bm: BlockManager, seq_id: int, tokens: list[int], root=b"r") ->
     bm.ensure_capacity(seq_id, len(tokens))
     keys = extend_keys([], root, tokens, bm.block_size, len(tokens) // bm.block_size)
     for i, key in enumerate(keys):
-        bm.register_cached(seq_id, i, key, tokens[i * BS:(i + 1) * BS])
+        bm.register_cached(seq_id, i, key, keys[i - 1] if i else root, tokens[i * BS:(i + 1) * BS])
     return keys
 
 
@@ -55,8 +56,8 @@ def test_freed_cached_blocks_are_parked_counted_free_and_found_again():
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_total_blocks      # parked blocks count as free
     assert bm.prefix_index.num_evictable == 3
-    assert bm.cached_prefix(keys, tokens) == table
-    assert bm.cached_prefix(keys[:2], tokens) == table[:2]
+    assert bm.cached_prefix(keys, tokens, ROOT) == table
+    assert bm.cached_prefix(keys[:2], tokens, ROOT) == table[:2]
     # Taking parked hits back costs free blocks; shared in-use hits cost nothing.
     assert bm.num_blocks_taken_by(table[:2], 12) == 1 + 2
     bm.share_cached(2, table[:2])
@@ -88,12 +89,12 @@ def test_free_blocks_are_used_before_evicting_and_eviction_is_lru_tail_first():
     assert bm.prefix_index.num_evictable == 6
     bm.ensure_capacity(3, 8)                              # then a's tail block
     assert bm.block_table(3)[1] == table_a[2]
-    assert bm.cached_prefix(keys_a, a) == table_a[:2]
-    assert bm.cached_prefix(keys_b, b) == table_b
+    assert bm.cached_prefix(keys_a, a, ROOT) == table_a[:2]
+    assert bm.cached_prefix(keys_b, b, ROOT) == table_b
     bm.ensure_capacity(3, 16)                             # a's middle then first block
     assert bm.block_table(3)[2:] == [table_a[1], table_a[0]]
-    assert bm.cached_prefix(keys_a, a) == []
-    assert bm.cached_prefix(keys_b, b) == table_b
+    assert bm.cached_prefix(keys_a, a, ROOT) == []
+    assert bm.cached_prefix(keys_b, b, ROOT) == table_b
     bm.check_invariants()
 
 
@@ -103,11 +104,11 @@ def test_a_hit_refreshes_recency():
     keys_a, keys_b = cache_blocks(bm, 1, a), cache_blocks(bm, 2, b)
     bm.free(1)
     bm.free(2)
-    bm.share_cached(3, bm.cached_prefix(keys_a, a))       # a used again: now the newest
+    bm.share_cached(3, bm.cached_prefix(keys_a, a, ROOT))       # a used again: now the newest
     bm.free(3)
     bm.ensure_capacity(4, 16)                             # 2 free + 2 evicted: b's
-    assert bm.cached_prefix(keys_b, b) == []
-    assert len(bm.cached_prefix(keys_a, a)) == 2
+    assert bm.cached_prefix(keys_b, b, ROOT) == []
+    assert len(bm.cached_prefix(keys_a, a, ROOT)) == 2
 
 
 def test_reset_forgets_everything_and_in_use_blocks_free_uncached():
@@ -118,7 +119,7 @@ def test_reset_forgets_everything_and_in_use_blocks_free_uncached():
     bm.reset_prefix_cache()
     bm.check_invariants()
     assert bm.prefix_index.num_evictable == 0 and len(bm.prefix_index) == 0
-    assert bm.cached_prefix(keys, list(range(8))) == []
+    assert bm.cached_prefix(keys, list(range(8)), ROOT) == []
     bm.free(1)
     bm.check_invariants()
     assert len(bm._free) == bm.num_total_blocks
@@ -129,7 +130,7 @@ def test_a_second_block_with_the_same_key_is_not_registered():
     tokens = list(range(8))
     keys = cache_blocks(bm, 1, tokens)
     cache_blocks(bm, 2, tokens)                           # computed the same prefix at once
-    assert bm.cached_prefix(keys, tokens) == bm.block_table(1)
+    assert bm.cached_prefix(keys, tokens, ROOT) == bm.block_table(1)
     assert not any(bm.prefix_index.is_cached(b) for b in bm.block_table(2))
     bm.free(2)
     assert len(bm._free) == 8 - 2 and bm.prefix_index.num_evictable == 0
@@ -140,8 +141,23 @@ def test_a_key_collision_never_serves_other_tokens():
     bm = BlockManager(9, BS, enable_prefix_caching=True)
     cache_blocks(bm, 1, [1, 2, 3, 4])
     key = bm.prefix_index._entry_of[bm.block_table(1)[0]][0]
-    assert bm.cached_prefix([key], [1, 2, 3, 5]) == []
-    assert bm.cached_prefix([key], [1, 2, 3, 4]) == bm.block_table(1)
+    assert bm.cached_prefix([key], [1, 2, 3, 5], ROOT) == []
+    assert bm.cached_prefix([key], [1, 2, 3, 4], ROOT) == bm.block_table(1)
+
+
+def test_a_colliding_key_after_a_different_prefix_is_refused():
+    """Keys that ignore the parent (a collision model): A = X|Y registers Y after X; C = Z|Y
+    registers Z (its Y loses to A's). B = Z|Y finds C's Z, but A's Y was computed after X, not
+    Z: the stored parent key refuses it."""
+    bm = BlockManager(12, BS, enable_prefix_caching=True)
+    x, y, z = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
+    key = lambda tokens: bytes(tokens) * 8          # noqa: E731 - depends on the block only
+    for seq_id, blocks in ((1, [x, y]), (2, [z, y])):
+        bm.ensure_capacity(seq_id, 8)
+        for i, tokens in enumerate(blocks):
+            bm.register_cached(seq_id, i, key(tokens), key(blocks[i - 1]) if i else ROOT, tokens)
+    assert bm.cached_prefix([key(z), key(y)], z + y, ROOT) == bm.block_table(2)[:1]
+    assert bm.cached_prefix([key(x), key(y)], x + y, ROOT) == bm.block_table(1)
 
 
 @pytest.mark.parametrize("corrupt", ["parked_in_use", "parked_and_free", "parked_uncached",
@@ -161,9 +177,9 @@ def test_check_invariants_detects_cache_corruption(corrupt):
     elif corrupt == "parked_uncached":
         index._forget(parked)
     elif corrupt == "free_with_key":
-        index.register(bm._free[0], b"k" * 32, [0] * BS)
+        index.register(bm._free[0], b"k" * 32, ROOT, [0] * BS)
     elif corrupt == "cached_null":
-        index.register(0, b"n" * 32, [0] * BS)
+        index.register(0, b"n" * 32, ROOT, [0] * BS)
     with pytest.raises(AssertionError):
         bm.check_invariants()
 
@@ -342,3 +358,17 @@ def test_serve_flag_turns_prefix_caching_off():
     on = engine_kwargs(_parser().parse_args(["serve"]))
     off = engine_kwargs(_parser().parse_args(["serve", "--no-enable-prefix-caching"]))
     assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False
+
+
+def test_parked_hits_are_not_charged_twice_at_admission():
+    """9 usable blocks: a 17-token prompt leaves 4 parked blocks; two more requests with the
+    same prompt each need one new block beside the shared hits, so both are admitted at once."""
+    sim = cached_sim(num_blocks=10, max_model_len=36, max_num_seqs=4)
+    sim.add(prompt=BASE[:17], max_tokens=1)
+    sim.run()
+    a = sim.add(prompt=BASE[:17], max_tokens=2)
+    b = sim.add(prompt=BASE[:17], max_tokens=2)
+    sim.step()
+    assert a.num_cached_tokens == 16 and b.num_cached_tokens == 16
+    assert not sim.sched.waiting
+    sim.run()

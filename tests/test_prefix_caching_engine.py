@@ -153,8 +153,9 @@ def test_n_samples_share_the_prompt_and_match(engines):
     want = result(run_all(off, [BASE[:50]], [sp])[0])
     out = run_all(on, [BASE[:50]], [sp])[0]
     assert result(out) == want
-    assert out.num_cached_tokens == 48      # the later samples started from the first one's prompt
-    assert on.stats()["prefix_cache_hits"] >= 2 * 48
+    hits = on.stats()["prefix_cache_hits"]
+    assert out.num_cached_tokens == 0       # nothing came from an earlier request
+    assert hits >= 2 * 48                   # the later samples started from the first one's prompt
 
 
 def test_prompt_logprobs_are_computed_not_served(engines):

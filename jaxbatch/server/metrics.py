@@ -99,12 +99,13 @@ class ServerMetrics:
             if value > self._exported[key]:
                 counter.inc(value - self._exported[key])
                 self._exported[key] = value
-        per_position = stats.get("spec_accepted_per_position", [])
-        for pos, value in enumerate(per_position):
-            seen = self._exported_per_position[pos] if pos < len(self._exported_per_position) else 0
-            if value > seen:
-                self.spec_per_position.labels(self._model_name, str(pos)).inc(value - seen)
-        self._exported_per_position = list(per_position)
+        exported = self._exported_per_position
+        for pos, value in enumerate(stats.get("spec_accepted_per_position", [])):
+            if pos == len(exported):
+                exported.append(0)
+            if value > exported[pos]:
+                self.spec_per_position.labels(self._model_name, str(pos)).inc(value - exported[pos])
+                exported[pos] = value
 
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts
