@@ -57,8 +57,8 @@ class Sequence:
     # found in the cache.
     block_keys: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_tokens: int | None = None
-    # Speculative decoding: after a proposal with nothing accepted the sequence pauses
-    # proposing until this step, for twice as long each time (reset by an accepted token).
+    # Speculative decoding: after a proposal mostly rejected the sequence pauses proposing
+    # until this step, for twice as long each time (reset by a mostly accepted one).
     spec_resume_step: int = 0
     spec_backoff: int = 0
     first_scheduled_time: float | None = None

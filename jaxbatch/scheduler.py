@@ -311,9 +311,11 @@ class Scheduler:
             seq.num_computed_tokens += 1
             self._append(seq, sampled)
         self.spec_counters.record(len(drafts), accepted)
-        # Rows that verify nothing still cost a CPU step time: a sequence whose text does not
-        # repeat stops proposing for a while (1, 2, 4 .. MAX_SPEC_BACKOFF steps).
-        seq.spec_backoff = 0 if accepted else min(MAX_SPEC_BACKOFF, max(1, 2 * seq.spec_backoff))
+        # A rejected row costs about what a decoding sequence does on a CPU: a sequence whose
+        # proposals are mostly wrong (its text does not repeat) stops proposing for a while
+        # (1, 2, 4 .. MAX_SPEC_BACKOFF steps); a mostly accepted proposal resumes it at once.
+        paid_off = 2 * accepted >= len(drafts)
+        seq.spec_backoff = 0 if paid_off else min(MAX_SPEC_BACKOFF, max(1, 2 * seq.spec_backoff))
         seq.spec_resume_step = self.step_count + 1 + seq.spec_backoff
         if not seq.is_finished:
             self.blocks.shrink(seq.seq_id, seq.num_tokens)
