@@ -60,13 +60,17 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
-                 compilation_cache: bool = True,
-                 loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
+                 compilation_cache: bool = True, tensor_parallel_size: int = 1,
+                 devices=None, loaded: LoadedModel | None = None,
+                 runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `warmup` compiles every shape the scheduler can produce before the first request, so
-        nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
+        nothing compiles while serving; `compilation_cache` keeps the executables on disk.
+        `tensor_parallel_size` splits the model over that many of `devices` (default: jax's
+        devices, every process's; `jaxbatch/parallel/`). Data-parallel replicas and several
+        processes are built by `jaxbatch.parallel.build_engine` (what `LLM` calls)."""
         if compilation_cache:
             compile_cache.enable()
         loaded = loaded or load_model(model, dtype)
@@ -107,7 +111,12 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos)
         if runner is None:
-            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+            tp = None
+            if tensor_parallel_size != 1 or devices is not None:
+                from jaxbatch.parallel.sharding import TensorParallel
+                tp = TensorParallel(tensor_parallel_size, devices)
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
+                                 tensor_parallel=tp)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
                 max_num_seqs, num_blocks, block_size, max_model_len, chunk):
@@ -326,5 +335,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
+            "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
             "max_num_seqs": self.config.max_num_seqs,
         }
