@@ -54,6 +54,16 @@ class _RequestState:
 
 
 class LLMEngine:
+    def __new__(cls, model: str | None = None, *, data_parallel_size: int = 1,
+                num_processes: int = 1, **kwargs):
+        """Replicas or several processes: the engine `jaxbatch.parallel.build_engine` makes
+        (same interface); otherwise a plain LLMEngine."""
+        if data_parallel_size != 1 or num_processes != 1:
+            from jaxbatch.parallel.build import build_engine
+            return build_engine(model, data_parallel_size=data_parallel_size,
+                                num_processes=num_processes, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 32, block_size: int = 16,
                  num_blocks: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, dtype: str = "auto",
@@ -61,16 +71,19 @@ class LLMEngine:
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
                  compilation_cache: bool = True, tensor_parallel_size: int = 1,
-                 devices=None, loaded: LoadedModel | None = None,
-                 runner: ModelRunner | None = None):
+                 data_parallel_size: int = 1, num_processes: int = 1, process_id: int = 0,
+                 coordinator_address: str | None = None, devices=None,
+                 loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `warmup` compiles every shape the scheduler can produce before the first request, so
         nothing compiles while serving; `compilation_cache` keeps the executables on disk.
         `tensor_parallel_size` splits the model over that many of `devices` (default: jax's
-        devices, every process's; `jaxbatch/parallel/`). Data-parallel replicas and several
-        processes are built by `jaxbatch.parallel.build_engine` (what `LLM` calls)."""
+        devices, every process's; `jaxbatch/parallel/`). `data_parallel_size` or
+        `num_processes` above 1 make `__new__` return the engine of `parallel/build.py`
+        instead (LLMEngine's interface); here they are 1 and process_id and
+        coordinator_address unused."""
         if compilation_cache:
             compile_cache.enable()
         loaded = loaded or load_model(model, dtype)
