@@ -217,8 +217,24 @@ def check_bad_settings():
             raise AssertionError(f"tp={tp} accepted")
 
 
+def check_data_parallel_replicas_on_their_own_devices():
+    """data_parallel_size=2 x tensor_parallel_size=2: each replica's pool on its own 2
+    devices, outputs those of one single-device engine."""
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng, rng.integers(2, 30, size=6))
+    sp = [SamplingParams(temperature=0.7, seed=i, max_tokens=int(rng.integers(2, 8)),
+                         ignore_eos=True) for i in range(6)]
+    ref = run_all(engine(2, 1), prompts, sp)
+    dp = LLMEngine(loaded=model(2), data_parallel_size=2, tensor_parallel_size=2, **SETTINGS)
+    devices = [set(r.runner.pool[0].sharding.device_set) for r in dp.replicas]
+    assert len(devices[0]) == len(devices[1]) == 2 and not devices[0] & devices[1], devices
+    assert run_all(dp, prompts, sp) == ref
+    assert all(r.stats()["num_steps"] > 0 for r in dp.replicas)
+    print("replica devices", [sorted(d.id for d in group) for group in devices])
+
+
 CHECKS = [check_bad_settings, check_logits, check_greedy_64, check_engine_mixed_with_preemption,
-          check_hlo_collectives_and_donation]
+          check_hlo_collectives_and_donation, check_data_parallel_replicas_on_their_own_devices]
 
 
 def main(names) -> int:
