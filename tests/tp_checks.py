@@ -70,17 +70,26 @@ def engine(kv: int, tp: int) -> LLMEngine:
     return _ENGINES[kv, tp]
 
 
-def run_all(eng: LLMEngine, prompts, params) -> list[list[int]]:
+def run_all(eng: LLMEngine, prompts, params, whole: bool = False) -> list:
+    """Token ids of each request's first completion (`whole`: the RequestOutput)."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(str(i), p, sp)
     done = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out if whole else out.outputs[0].token_ids
     stats = eng.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def _logprob_values(out) -> list[float]:
+    """Every logprob a RequestOutput carries (sampled and prompt), in a fixed order."""
+    values = []
+    for entry in (out.outputs[0].logprobs or []) + (out.prompt_logprobs or []):
+        values += [] if entry is None else [entry[k] for k in sorted(entry)]
+    return values
 
 
 def prompts_of(rng, lengths):
@@ -136,22 +145,28 @@ def check_greedy_64():
 
 
 def check_engine_mixed_with_preemption():
-    """50 mixed requests (greedy and seeded sampling, mixed lengths) on a pool small enough to
-    force preemption: identical outputs at tp = 1 and tp = 8 (2 KV heads, copied 4 times)."""
+    """50 mixed requests (greedy and seeded sampling, logprobs and prompt logprobs, mixed
+    lengths) on a pool small enough to force preemption: identical tokens at tp = 1 and
+    tp = 8 (2 KV heads, copied 4 times), logprobs within 1e-4."""
     rng = np.random.default_rng(3)
     prompts = prompts_of(rng, rng.integers(2, 70, size=50))
     sp = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i,
                          top_k=int(rng.choice([0, 20])), max_tokens=int(rng.integers(1, 24)),
+                         logprobs=2 if i % 5 == 0 else None,
+                         prompt_logprobs=1 if i % 12 == 0 else None,
                          ignore_eos=True) for i in range(50)]
     outs, preempted = {}, {}
     for tp in (1, 8):
         eng = engine(2, tp)
         before = eng.stats()["num_preemptions"]
-        outs[tp] = run_all(eng, prompts, sp)
+        outs[tp] = run_all(eng, prompts, sp, whole=True)
         preempted[tp] = eng.stats()["num_preemptions"] - before
     print("preemptions", preempted)
     assert preempted[1] > 0 and preempted[1] == preempted[8], preempted
-    assert outs[1] == outs[8]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[8]]
+    lp1 = np.concatenate([_logprob_values(o) for o in outs[1]])
+    lp8 = np.concatenate([_logprob_values(o) for o in outs[8]])
+    assert len(lp1) > 100 and np.allclose(lp1, lp8, atol=1e-4), np.max(np.abs(lp1 - lp8))
 
 
 def _hlo_of(eng: LLMEngine, key) -> str:
@@ -183,7 +198,7 @@ def check_hlo_collectives_and_donation():
                 shape = tuple(int(d) for d in dims.split(",") if d)
                 assert shape not in weight_shapes and shape[-1] == VOCAB, (key, shape)
             # Each device holds its slice of the split weights (here wq, [L, d, H*Dh / tp]).
-            wq = re.search(r"f32\[([\d,]+)\]\{[^}]*\} parameter\(\d+\), sharding=\{[^}]*\}, "
+            wq = re.search(r"f32\[([\d,]+)\]\{[^}]*\} parameter\(\d+\), sharding=.*?, "
                            r"metadata=\{op_name=\"params\[\\'layers\\'\]\[\\'wq\\'\]", text)
             assert wq and wq.group(1) == f"{LAYERS},{HIDDEN},{HEADS * HEAD_DIM // 4}", key
             header = text.splitlines()[0]
