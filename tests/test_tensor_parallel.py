@@ -27,6 +27,7 @@ def tp_run():
 @pytest.mark.parametrize("check", ["check_bad_settings", "check_logits", "check_greedy_64",
                                    "check_engine_mixed_with_preemption",
                                    "check_hlo_collectives_and_donation",
+                                   "check_pallas_kernels_per_shard",
                                    "check_data_parallel_replicas_on_their_own_devices"])
 def test_tensor_parallel(tp_run, check):
     results, output = tp_run

@@ -169,6 +169,18 @@ def check_engine_mixed_with_preemption():
     assert len(lp1) > 100 and np.allclose(lp1, lp8, atol=1e-4), np.max(np.abs(lp1 - lp8))
 
 
+def check_pallas_kernels_per_shard():
+    """The Pallas decode and ragged kernels (interpret mode on CPU) under shard_map at tp = 2
+    give the single-device xla backend's greedy tokens."""
+    prompts = prompts_of(np.random.default_rng(8), [5, 40])
+    sp = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
+    ref = run_all(engine(8, 1), prompts, sp)
+    kernels = LLMEngine(loaded=model(8), tensor_parallel_size=2,
+                        **{**SETTINGS, "attention_backend": "pallas_interpret"})
+    assert kernels.stats()["attention_backend"] == "pallas_interpret"
+    assert run_all(kernels, prompts, sp) == ref
+
+
 def _hlo_of(eng: LLMEngine, key) -> str:
     r = eng.runner
     return r._lower(key, r._example_args(key)).compile().as_text()
@@ -249,7 +261,8 @@ def check_data_parallel_replicas_on_their_own_devices():
 
 
 CHECKS = [check_bad_settings, check_logits, check_greedy_64, check_engine_mixed_with_preemption,
-          check_hlo_collectives_and_donation, check_data_parallel_replicas_on_their_own_devices]
+          check_hlo_collectives_and_donation, check_pallas_kernels_per_shard,
+          check_data_parallel_replicas_on_their_own_devices]
 
 
 def main(names) -> int:
