@@ -82,8 +82,12 @@ def serve(args) -> int:
     from jaxbatch.server.app import build_app
 
     model, kwargs = args.model, engine_kwargs(args)
-    if args.num_processes > 1 and args.process_id != 0:
-        return follow(model, kwargs)
+    if args.num_processes > 1:
+        # Here, on the main thread, before uvicorn installs its signal handlers (multihost.py).
+        from jaxbatch.parallel import multihost
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if args.process_id != 0:
+            return follow(model, kwargs)
 
     def engine_factory():   # runs on the engine thread, after the port is bound
         from jaxbatch.engine import LLMEngine

@@ -28,6 +28,12 @@ def build_engine(model=None, *, tensor_parallel_size: int = 1, data_parallel_siz
                              "run one multi-process engine per replica")
         from jaxbatch.parallel import multihost
         multihost.initialize(coordinator_address, num_processes, process_id)
+        if kwargs.get("loaded") is None:
+            # Without the orbax cache of converted weights: with jax.distributed up, orbax
+            # saves collectively (process 0 writes), and processes sharing a disk then race
+            # to rename their half-written copies into the cache. Each process converts.
+            from jaxbatch.model.loader import load_model
+            kwargs["loaded"] = load_model(model, kwargs.get("dtype", "auto"), use_cache=False)
         engine = LLMEngine(model, tensor_parallel_size=tensor_parallel_size, **kwargs)
         return multihost.MultiHostEngine(engine)
     if data_parallel_size == 1:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
+import threading
 import time
 
 import jax
@@ -40,8 +42,15 @@ def initialize(coordinator_address: str | None, num_processes: int, process_id: 
         raise ValueError("num_processes > 1 needs coordinator_address='HOST:PORT' (process 0's)")
     if jax.distributed.is_initialized():
         return
+    # jax.distributed's preemption notifier takes SIGTERM over (in C++), after which a SIGTERM
+    # is only logged: the server would never drain and a script never stop. Python's handler
+    # goes back (which only the main thread may do; `jaxbatch serve` initializes there first).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id)
+    if main_thread:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _broadcast(payload: bytes | None) -> bytes:
