@@ -77,7 +77,7 @@ class ModelRunner:
         self.pool = allocate(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq,
-                      per_shard=llama._unsharded if self.tp is None else self.tp.per_shard)
+                      per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
         self._functions = {  # kind -> (function, index of the donated pool argument or None,
             #                           number of outputs: the pool, when donated, is the last)
             "decode": (functools.partial(_decode_forward, **common), 1, 2),

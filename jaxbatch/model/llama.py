@@ -85,7 +85,8 @@ def _matmul(x, weight, index):
     return jax.lax.switch(index, [lambda x, w=w: x @ w for w in weight], x)
 
 
-def _unsharded(fn):
+def unsharded(fn):
+    """`forward_hidden`'s per_shard on one device: run fn as it is."""
     return fn
 
 
@@ -132,7 +133,7 @@ def _mlp_block(layer, x, index):
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
-                   attend: AttendFn, inv_freq, per_shard: Callable = _unsharded):
+                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded):
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
     kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh] -> (final-normed hidden [T, d], new pool).
 
