@@ -86,7 +86,9 @@ class LLMEngine:
         coordinator_address unused."""
         if compilation_cache:
             compile_cache.enable()
-        loaded = loaded or load_model(model, dtype)
+        # Split over devices: weights stay on the host until each device takes its slice.
+        loaded = loaded or load_model(model, dtype, on_device=tensor_parallel_size == 1
+                                      and devices is None)
         # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
         loaded.params = llama.stack_layers(loaded.params)
         self.loaded = loaded

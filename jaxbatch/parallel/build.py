@@ -33,7 +33,8 @@ def build_engine(model=None, *, tensor_parallel_size: int = 1, data_parallel_siz
             # saves collectively (process 0 writes), and processes sharing a disk then race
             # to rename their half-written copies into the cache. Each process converts.
             from jaxbatch.model.loader import load_model
-            kwargs["loaded"] = load_model(model, kwargs.get("dtype", "auto"), use_cache=False)
+            kwargs["loaded"] = load_model(model, kwargs.get("dtype", "auto"), use_cache=False,
+                                          on_device=False)
         engine = LLMEngine(model, tensor_parallel_size=tensor_parallel_size, **kwargs)
         return multihost.MultiHostEngine(engine)
     if data_parallel_size == 1:
@@ -42,8 +43,6 @@ def build_engine(model=None, *, tensor_parallel_size: int = 1, data_parallel_siz
     import jax
     from jaxbatch.model.loader import load_model
     from jaxbatch.parallel.data_parallel import DataParallelEngine
-    # Weights read once; each replica's runner places its own copy on its devices.
-    loaded = kwargs.pop("loaded", None) or load_model(model, kwargs.get("dtype", "auto"))
     devices = jax.devices()
     per = tensor_parallel_size
     if len(devices) >= per * data_parallel_size:
@@ -59,6 +58,10 @@ def build_engine(model=None, *, tensor_parallel_size: int = 1, data_parallel_siz
         raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
                          f"{per} needs {per * data_parallel_size} devices; jax sees "
                          f"{len(devices)}")
+    # Weights read once; each replica's runner places its own copy on its devices (host
+    # arrays for that), or all share the one copy on the default device.
+    loaded = kwargs.pop("loaded", None) or load_model(model, kwargs.get("dtype", "auto"),
+                                                      on_device=groups[0] is None)
     replicas = [LLMEngine(model, tensor_parallel_size=per, devices=group, loaded=loaded,
                           **kwargs) for group in groups]
     return DataParallelEngine(replicas)
