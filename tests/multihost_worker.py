@@ -61,5 +61,18 @@ def main(process_id: int, port: int) -> None:
         print(f"process {process_id} followed {stats['num_steps']} steps", flush=True)
 
 
+def single() -> None:
+    """The reference: one process, one device, no tensor parallelism, the same workload (all
+    at once: batch invariance makes the split into batches invisible)."""
+    from jaxbatch.engine import LLMEngine
+    from tp_checks import SETTINGS, model, run_all
+    prompts, params = workload()
+    print("RESULT " + json.dumps({"tokens": run_all(LLMEngine(loaded=model(2), **SETTINGS),
+                                                    prompts, params)}), flush=True)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1] == "single":
+        single()
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]))

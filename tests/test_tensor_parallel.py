@@ -10,11 +10,15 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Compiling the tiny models' steps is most of what these tests cost; LLVM's expensive passes
+# buy nothing at this size (2.4x less wall time here). Every comparison's two sides run
+# under the same flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @pytest.fixture(scope="module")
 def tp_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
                                            os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_checks.py")], env=env,
