@@ -73,6 +73,8 @@ def _global_array(x, sharding: NamedSharding) -> jax.Array:
 
 class TensorParallel:
     def __init__(self, tp: int, devices=None):
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer")
         self.size = tp
         self.mesh = make_tp_mesh(tp, devices)
         self.replicated = NamedSharding(self.mesh, P())
