@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def _decode_forward(params, pool, tokens, positions, slot_mapping, attn_meta, *, cfg, backend,
-                    inv_freq, per_shard):
+                    inv_freq, per_shard=llama.unsharded):
     attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [B, d]
@@ -43,7 +43,7 @@ def _decode_forward(params, pool, tokens, positions, slot_mapping, attn_meta, *,
 
 
 def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index, *,
-                     cfg, backend, inv_freq, per_shard):
+                     cfg, backend, inv_freq, per_shard=llama.unsharded):
     attend = attention.prefill_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [T, d]
