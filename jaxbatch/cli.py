@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (env JAXBATCH_API_KEY)")
     s.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before abort")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many devices (every process's, with "
+                        "--num-processes)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="independent engine replicas; each request goes to the replica with "
+                        "the least outstanding work")
+    s.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) joined by jax.distributed into one engine; process "
+                        "0 serves HTTP, the others follow its steps")
+    s.add_argument("--process-id", type=int, default=0)
+    s.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0's jax.distributed coordinator")
     s.add_argument("--log-level", default="info")
     return ap
 
@@ -78,13 +90,22 @@ def engine_kwargs(args) -> dict:
                 prefill_chunk_size=args.prefill_chunk_size,
                 attention_backend=args.attention_backend, warmup=not args.no_warmup,
                 enable_prefix_caching=args.enable_prefix_caching,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size, num_processes=args.num_processes,
+                process_id=args.process_id, coordinator_address=args.coordinator_address)
 
 
 def serve(args) -> int:
     from jaxbatch.server.app import build_app
 
     model, kwargs = args.model, engine_kwargs(args)
+    if args.num_processes > 1:
+        # Here, on the main thread, before uvicorn installs its signal handlers (multihost.py).
+        from jaxbatch.parallel import multihost
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if args.process_id != 0:
+            return follow(model, kwargs)
 
     def engine_factory():   # runs on the engine thread, after the port is bound
         from jaxbatch.engine import LLMEngine
@@ -107,10 +128,23 @@ def serve(args) -> int:
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, app.state.llm, args.shutdown_timeout)
     server.run()
+    engine = app.state.llm.engine
+    if hasattr(engine, "shutdown"):     # a multi-process engine: release the followers
+        engine.shutdown()
     if failed:
         print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def follow(model, kwargs) -> int:
+    """A process other than 0 of a multi-process engine: no HTTP; it builds the same engine
+    and steps with process 0 until process 0 shuts down."""
+    from jaxbatch.engine import LLMEngine
+    engine = LLMEngine(model, **kwargs)
+    while engine.follow():
+        pass
+    return 0
 
 
 class DrainingServer(uvicorn.Server):

@@ -37,6 +37,16 @@ GPU_KV_MEMORY_FRACTION = 0.5
 
 
 class LLMEngine:
+    def __new__(cls, model: str | None = None, *, data_parallel_size: int = 1,
+                num_processes: int = 1, **kwargs):
+        """Replicas or several processes: the engine `jaxbatch.parallel.build_engine` makes
+        (same interface); otherwise a plain LLMEngine."""
+        if data_parallel_size != 1 or num_processes != 1:
+            from jaxbatch.parallel.build import build_engine
+            return build_engine(model, data_parallel_size=data_parallel_size,
+                                num_processes=num_processes, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 32, block_size: int = 16,
                  num_blocks: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, dtype: str = "auto",
@@ -44,7 +54,9 @@ class LLMEngine:
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
                  compilation_cache: bool = True, enable_prefix_caching: bool = True,
-                 speculative_config: dict | None = None,
+                 speculative_config: dict | None = None, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, num_processes: int = 1, process_id: int = 0,
+                 coordinator_address: str | None = None, devices=None,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
@@ -54,11 +66,18 @@ class LLMEngine:
         ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
         verifies proposed tokens in the decode step; the tokens are the same without it.
         `warmup` compiles every shape the scheduler can produce before the first request, so
-        nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
+        nothing compiles while serving; `compilation_cache` keeps the executables on disk.
+        `tensor_parallel_size` splits the model over that many of `devices` (default: jax's
+        devices, every process's; `jaxbatch/parallel/`). `data_parallel_size` or
+        `num_processes` above 1 make `__new__` return the engine of `parallel/build.py`
+        instead (LLMEngine's interface); here they are 1 and process_id and
+        coordinator_address unused."""
         speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
         if compilation_cache:
             compile_cache.enable()
-        loaded = loaded or load_model(model, dtype)
+        # Split over devices: weights stay on the host until each device takes its slice.
+        loaded = loaded or load_model(model, dtype, on_device=tensor_parallel_size == 1
+                                      and devices is None)
         # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
         loaded.params = llama.stack_layers(loaded.params)
         self.loaded = loaded
@@ -107,7 +126,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace,
                                    speculative=speculative, proposer=proposer)
         if runner is None:
-            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+            tp = None
+            if tensor_parallel_size != 1 or devices is not None:
+                from jaxbatch.parallel.sharding import TensorParallel
+                tp = TensorParallel(tensor_parallel_size, devices)
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
+                                 tensor_parallel=tp)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
                 max_num_seqs, num_blocks, block_size, max_model_len, chunk):
@@ -293,6 +317,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
+            "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
             "max_num_seqs": self.config.max_num_seqs,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,

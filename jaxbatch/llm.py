@@ -57,6 +57,18 @@ class LLM:
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        if getattr(engine, "is_leader", True) is False:
+            # Another process of a multi-process engine: process 0 has the requests and the
+            # outputs; this one steps with it until its batch is done.
+            engine.follow()
+            return []
+        try:
+            return self._generate(engine, requests, use_tqdm)
+        finally:
+            if hasattr(engine, "release"):
+                engine.release()
+
+    def _generate(self, engine, requests, use_tqdm: bool) -> list[RequestOutput]:
         # All or nothing: check the whole batch before adding any of it.
         ids = [str(next(self._ids)) for _ in requests]
         for rid, (prompt, params, prio) in zip(ids, requests):

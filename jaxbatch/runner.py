@@ -35,18 +35,18 @@ logger = logging.getLogger(__name__)
 
 
 def _decode_forward(params, pool, tokens, positions, slot_mapping, attn_meta, *, cfg, backend,
-                    inv_freq):
+                    inv_freq, per_shard=llama.unsharded):
     attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq)                       # [B, d]
+                                        attend, inv_freq, per_shard)            # [B, d]
     return llama.compute_logits(params, hidden), pool                           # [B, V]
 
 
 def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index, *,
-                     cfg, backend, inv_freq):
+                     cfg, backend, inv_freq, per_shard=llama.unsharded):
     attend = attention.prefill_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq)                       # [T, d]
+                                        attend, inv_freq, per_shard)            # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
     return llama.compute_logits(params, last), hidden, pool                     # [S, V], [T, d]
 
@@ -57,22 +57,33 @@ def _prompt_logprobs_step(params, hidden, targets):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
-                 attention_backend: str = "auto"):
-        self.model_cfg = model_cfg
+                 attention_backend: str = "auto", tensor_parallel=None):
+        """`tensor_parallel`: a `jaxbatch.parallel.sharding.TensorParallel` that places the
+        params and pool on its mesh and gives every compiled call its shardings; None on one
+        device (the default path, untouched by any of it)."""
+        self.tp = tensor_parallel
         self.cfg = sched_cfg
-        self.params = llama.stack_layers(params)
+        params = llama.stack_layers(params)
+        if self.tp is not None:
+            # The runner's config may have more KV heads (copies) than the checkpoint's.
+            model_cfg, params = self.tp.prepare(model_cfg, params)
+        self.model_cfg = model_cfg
+        self.params = params
         self.backend = attention.resolve_backend(attention_backend)
         # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
         chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
         self.layout = StepLayout(sched_cfg, attention.uses_work_lists(self.backend), chunks_per_call)
-        self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
+        allocate = kv_cache.allocate_pool if self.tp is None else self.tp.allocate_pool
+        self.pool = allocate(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
-        common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq)
-        self._functions = {  # kind -> (function, index of the donated pool argument or None)
-            "decode": (functools.partial(_decode_forward, **common), 1),
-            "prefill": (functools.partial(_prefill_forward, **common), 1),
-            "sample": (sampler.sample, None),
-            "prompt_logprobs": (_prompt_logprobs_step, None),
+        common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq,
+                      per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
+        self._functions = {  # kind -> (function, index of the donated pool argument or None,
+            #                           number of outputs: the pool, when donated, is the last)
+            "decode": (functools.partial(_decode_forward, **common), 1, 2),
+            "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
+            "sample": (sampler.sample, None, None),
+            "prompt_logprobs": (_prompt_logprobs_step, None, None),
         }
         self._executables: dict[tuple, object] = {}
         self._unused_history: dict[int, jax.Array] = {}
@@ -93,8 +104,10 @@ class ModelRunner:
 
     # ---- executables ---------------------------------------------------------------------
     def _lower(self, key: tuple, args):
-        fn, donate = self._functions[key[0]]
-        return jax.jit(fn, donate_argnums=() if donate is None else (donate,)).lower(*args)
+        fn, donate, num_outputs = self._functions[key[0]]
+        shardings = {} if self.tp is None else self.tp.jit_shardings(args, donate, num_outputs)
+        return jax.jit(fn, donate_argnums=() if donate is None else (donate,),
+                       **shardings).lower(*args)
 
     def _run(self, key: tuple, args):
         exe = self._executables.get(key)
@@ -106,6 +119,8 @@ class ModelRunner:
             exe = self._lower(key, args).compile()
             self.compile_seconds += time.perf_counter() - start
             self._executables[key] = exe
+        if self.tp is not None:
+            args = self.tp.to_mesh(args)
         return exe(*args)
 
     def _sampling_arrays(self, rows: list[SamplingRow | None]):
@@ -138,6 +153,8 @@ class ModelRunner:
         if call.want_prompt_logprobs:
             prompt_lp = self._run(("prompt_logprobs", call.key[1]),
                                   (self.params, out[1], call.targets))
+        if self.tp is not None:
+            sampled, prompt_lp = self.tp.to_host((sampled, prompt_lp))
         return sampled, prompt_lp
 
     def execute(self, plan: StepPlan, next_tokens: dict[int, int]) -> StepResult:

@@ -29,6 +29,9 @@ verdict) and exits 0 only when every correctness check passed and every section 
 time; 1 on any failure, timeout or crash; 3 when nothing failed but something was skipped
 (an end-to-end model for lack of time).
 
+One GPU, so no tensor or data parallelism is checked here; what a multi-GPU run would add is
+listed in gpu_check.sh's header and docs/PARALLELISM.md.
+
 GPU_CHECK_SIMULATE_FAILURE (comma list; "1" = kernels): `kernels` corrupts one kernel output in
 the correctness section, `timeout` makes the kernels section hang after the correctness
 section (the shell's limit must kill it, and the end-to-end section must still run), `e2e`

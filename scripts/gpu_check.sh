@@ -23,6 +23,13 @@
 # (limits 120 s each unless set), to check this script (tests/test_gpu_check.py runs it in CI).
 # GPU_CHECK_SIMULATE_FAILURE=kernels|timeout|e2e (comma list) fakes a failure of that kind; the
 # exit status must then be non-zero (see scripts/gpu_check.py).
+#
+# Not covered here (the machine has one GPU): tensor and data parallelism. A multi-GPU run
+# would add (docs/PARALLELISM.md): tests/tp_checks.py on real devices (NCCL all-reduces, the
+# Pallas kernels under shard_map lowered for cuda; XLA_FLAGS unset, jax.device_count() >= 8),
+# decode step time at tensor_parallel_size 1/2/4/8 against the weight-bandwidth floor / T plus
+# the all-reduce time, and scripts/bench_scaleout.py --device gpu --data-parallel-size N for
+# the replica speed-up.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."

@@ -85,6 +85,11 @@ def _matmul(x, weight, index):
     return jax.lax.switch(index, [lambda x, w=w: x @ w for w in weight], x)
 
 
+def unsharded(fn):
+    """`forward_hidden`'s per_shard on one device: run fn as it is."""
+    return fn
+
+
 def rms_norm(x, weight, eps):
     x32 = x.astype(jnp.float32)
     normed = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
@@ -92,7 +97,7 @@ def rms_norm(x, weight, eps):
 
 
 def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool, v_pool,
-                     index, block_offset, attend, inv_freq):
+                     index, block_offset, attend, inv_freq, per_shard):
     num_tokens = x.shape[0]
     q = _matmul(x, layer["wq"], index)
     k = _matmul(x, layer["wk"], index)
@@ -104,10 +109,16 @@ def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    # Write first: this step's tokens attend to themselves through the pool.
-    block_size = k_pool.shape[2]
-    k_pool, v_pool = write_kv_ref(k_pool, v_pool, k, v, slot_mapping + block_offset * block_size)
-    out = attend(q, k_pool, v_pool, block_offset).reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+
+    def write_and_attend(q, k, v, k_pool, v_pool):
+        # Write first: this step's tokens attend to themselves through the pool.
+        block_size = k_pool.shape[2]
+        k_pool, v_pool = write_kv_ref(k_pool, v_pool, k, v,
+                                      slot_mapping + block_offset * block_size)
+        return attend(q, k_pool, v_pool, block_offset), k_pool, v_pool
+
+    out, k_pool, v_pool = per_shard(write_and_attend)(q, k, v, k_pool, v_pool)   # [T, H, Dh]
+    out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
     out = _matmul(out, layer["wo"], index)
     if cfg.o_bias:
         out = out + layer["bo"]
@@ -122,9 +133,13 @@ def _mlp_block(layer, x, index):
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
-                   attend: AttendFn, inv_freq):
+                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded):
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
-    kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh] -> (final-normed hidden [T, d], new pool)."""
+    kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh] -> (final-normed hidden [T, d], new pool).
+
+    `per_shard(fn)` runs the KV write and attention, `fn(q, k, v, k_pool, v_pool)`, once per
+    tensor-parallel shard of the heads (`jaxbatch/parallel/sharding.py`: a `jax.shard_map`,
+    since kernels are opaque to automatic sharding); on one device it is the identity."""
     params = stack_layers(params)
     num_layers = num_layers_of(params)
     blocks_per_layer = kv_pool[0].shape[1] // num_layers
@@ -140,7 +155,8 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
         layer = {**layer, **per_layer}
         h, k_pool, v_pool = _attention_block(
             layer, cfg, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), positions,
-            slot_mapping, k_pool, v_pool, index, index * blocks_per_layer, attend, inv_freq)
+            slot_mapping, k_pool, v_pool, index, index * blocks_per_layer, attend, inv_freq,
+            per_shard)
         x = x + h
         x = x + _mlp_block(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), index)
         return (x, k_pool, v_pool), None

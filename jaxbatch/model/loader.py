@@ -195,7 +195,11 @@ def _load_cache(folder: str):
     return hf_config, params, tokenizer
 
 
-def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = True) -> LoadedModel:
+def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = True,
+               on_device: bool = True) -> LoadedModel:
+    """`on_device=False` leaves the params as host (numpy) arrays: a tensor-parallel runner
+    places each device's slice itself, and a model larger than one device never lands whole
+    on the first one."""
     start = time.perf_counter()
     source = resolve_source(model)
     folder = _cache_dir(source)
@@ -223,5 +227,8 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
     # Layers stacked on the host, before the device copy: stacking device arrays would hold
     # the weights twice in device memory for a moment.
     params = stack_layers(jax.tree.map(np.asarray, params))
-    params = jax.tree.map(lambda a: jnp.asarray(a, _DTYPES[real_dtype]), params)
+    if on_device:
+        params = jax.tree.map(lambda a: jnp.asarray(a, _DTYPES[real_dtype]), params)
+    else:
+        params = jax.tree.map(lambda a: np.asarray(a, jnp.dtype(_DTYPES[real_dtype])), params)
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)
