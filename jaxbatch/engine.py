@@ -18,10 +18,11 @@ import numpy as np
 from jaxbatch import compile_cache
 from jaxbatch.config import SchedulerConfig, next_power_of_two
 from jaxbatch.detokenizer import IncrementalDetokenizer
-from jaxbatch.kv_cache import blocks_for_budget
+from jaxbatch.kv_cache import blocks_for_budget, check_kv_cache_dtype
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.model.quantize import check_quantization, params_are_quantized, quantize_params
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.request import Sequence, SequenceStatus
 from jaxbatch.runner import ModelRunner
@@ -60,16 +61,26 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
-                 compilation_cache: bool = True,
+                 compilation_cache: bool = True, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
         """`loaded` reuses weights already in memory; `runner` reuses another engine's compiled
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `warmup` compiles every shape the scheduler can produce before the first request, so
-        nothing compiles while serving; `compilation_cache` keeps the executables on disk."""
+        nothing compiles while serving; `compilation_cache` keeps the executables on disk.
+        `kv_cache_dtype="int8"` stores the KV cache as int8 with per-(token, KV head) scales;
+        `quantization="int8"` makes the layer matrices int8 (weight-only, per output channel)."""
+        check_kv_cache_dtype(kv_cache_dtype)
+        check_quantization(quantization)
         if compilation_cache:
             compile_cache.enable()
-        loaded = loaded or load_model(model, dtype)
+        loaded = loaded or load_model(model, dtype, quantization=quantization)
+        if quantization == "int8" and not params_are_quantized(loaded.params):
+            # Weights given in full precision (loaded=): quantize a copy, the caller's stay.
+            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params))
+        elif quantization is None and params_are_quantized(loaded.params):
+            raise ValueError("loaded= holds int8 weights; pass quantization='int8'")
         # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
         loaded.params = llama.stack_layers(loaded.params)
         self.loaded = loaded
@@ -77,7 +88,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         mc = self.model_config
-        param_dtype = jax.tree.leaves(loaded.params)[0].dtype
+        param_dtype = loaded.params["embed"].dtype     # layer matrices may be int8
+        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization
 
         max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > mc.max_position_embeddings:
@@ -96,7 +108,8 @@ class LLMEngine:
             chunk = prefill_chunk_size
         if num_blocks is None:
             num_blocks = self._default_num_blocks(mc, block_size, param_dtype, max_num_seqs,
-                                                  max_model_len, kv_cache_memory_bytes)
+                                                  max_model_len, kv_cache_memory_bytes,
+                                                  kv_cache_dtype)
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -107,12 +120,13 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.config, eos)
         if runner is None:
-            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend)
+            runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
+                                 kv_cache_dtype)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
-              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
-                max_num_seqs, num_blocks, block_size, max_model_len, chunk):
+              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype) != (
+                max_num_seqs, num_blocks, block_size, max_model_len, chunk, kv_cache_dtype):
             raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
-                             "max_model_len and prefill chunk size as this engine")
+                             "max_model_len, prefill chunk size and kv_cache_dtype as this engine")
         self.runner = runner
         self._rng = random.Random(seed)
         self._requests: dict[str, _RequestState] = {}
@@ -127,7 +141,8 @@ class LLMEngine:
             self.warmup()
 
     @staticmethod
-    def _default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget):
+    def _default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget,
+                            kv_cache_dtype="auto"):
         if budget is None:
             if jax.default_backend() == "cpu":
                 budget = CPU_KV_BUDGET_BYTES
@@ -136,7 +151,7 @@ class LLMEngine:
                 free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0)
                 budget = int(free * GPU_KV_MEMORY_FRACTION)
         useful = max_num_seqs * -(-max_model_len // block_size) + 1
-        return int(min(blocks_for_budget(mc, block_size, dtype, budget), useful))
+        return int(min(blocks_for_budget(mc, block_size, dtype, budget, kv_cache_dtype), useful))
 
     def warmup(self) -> float:
         self.warmup_seconds += self.runner.warmup()
@@ -326,5 +341,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
+            # "int8", or the model dtype the "auto" cache stores
+            "kv_cache_dtype": str(self.runner.pool[0].dtype),
+            "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
         }

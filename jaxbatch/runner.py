@@ -57,7 +57,7 @@ def _prompt_logprobs_step(params, hidden, targets):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
         self.model_cfg = model_cfg
         self.cfg = sched_cfg
         self.params = llama.stack_layers(params)
@@ -65,7 +65,10 @@ class ModelRunner:
         # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
         chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
         self.layout = StepLayout(sched_cfg, attention.uses_work_lists(self.backend), chunks_per_call)
-        self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
+        self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size,
+                                           dtype, kv_cache_dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq)
         self._functions = {  # kind -> (function, index of the donated pool argument or None)
@@ -123,8 +126,8 @@ class ModelRunner:
         vocab, n = self.model_cfg.vocab_size, key[1]
         if kind == "sample":
             return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n))
-        hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size),
-                                      jax.tree.leaves(self.params)[0].dtype)
+        # The embedding's dtype is the activations' (layer matrices may be int8).
+        hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
     # ---- one engine step -----------------------------------------------------------------
