@@ -1,0 +1,134 @@
+"""The engine with an int8 KV cache and int8 weights, on a tiny random model: the Pallas
+kernels (interpret mode) give the xla path's tokens on an int8 pool, warm-up covers every shape
+(nothing compiles while serving), the pool is sized with its scale bytes, stats report the
+options, and bad options are rejected before anything loads."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbatch import SamplingParams
+from jaxbatch.engine import LLMEngine
+from jaxbatch.kv_cache import bytes_per_block
+from jaxbatch.model.loader import LoadedModel
+from jaxbatch.model.quantize import params_are_quantized
+from test_engine_tiny import run_all
+from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # head_dim 16 (hidden 64 / 4 heads), GQA 2: a power of two, as the Triton kernels need.
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=11))
+    return LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0,
+                       from_cache=False)
+
+
+def _engine(tiny, **kw):
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("warmup", False)
+    kw.setdefault("compilation_cache", False)
+    kw.setdefault("max_num_seqs", 3)
+    return LLMEngine(loaded=tiny, **kw)
+
+
+PROMPTS = random_token_prompts(np.random.default_rng(21), [4, 33, 70, 9, 50])
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 7, 10)]
+
+
+def _tokens(engine):
+    return [o.outputs[0].token_ids for o in run_all(engine, PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def xla_int8_tokens(tiny):
+    return _tokens(_engine(tiny, kv_cache_dtype="int8", attention_backend="xla"))
+
+
+def test_pallas_interpret_gives_the_xla_tokens_on_an_int8_pool(tiny, xla_int8_tokens):
+    engine = _engine(tiny, kv_cache_dtype="int8", attention_backend="pallas_interpret")
+    assert _tokens(engine) == xla_int8_tokens
+    assert engine.stats()["kv_cache_dtype"] == "int8"
+
+
+def test_reference_backend_gives_the_xla_tokens_on_an_int8_pool(tiny, xla_int8_tokens):
+    engine = _engine(tiny, kv_cache_dtype="int8", attention_backend="reference")
+    assert _tokens(engine) == xla_int8_tokens
+
+
+def test_int8_pool_really_holds_int8_and_scales(tiny):
+    engine = _engine(tiny, kv_cache_dtype="int8")
+    run_all(engine, PROMPTS[:2], PARAMS[:2])
+    k, v, ks, vs = engine.runner.pool
+    assert k.dtype == v.dtype == jnp.int8 and ks.dtype == vs.dtype == jnp.float32
+    assert np.abs(np.asarray(k)).max() == 127 and np.asarray(ks).max() > 0
+
+
+def test_int8_weights_run_on_every_backend_alike_and_leave_the_caller_params(tiny):
+    tokens = {}
+    for backend in ("xla", "pallas_interpret"):
+        engine = _engine(tiny, quantization="int8", kv_cache_dtype="int8",
+                         attention_backend=backend)
+        assert params_are_quantized(engine.runner.params)
+        assert engine.stats()["quantization"] == "int8"
+        tokens[backend] = _tokens(engine)
+    assert tokens["xla"] == tokens["pallas_interpret"]
+    assert not params_are_quantized(tiny.params)          # quantized a copy
+
+
+def test_warmup_covers_every_shape_with_int8_cache_and_weights(tiny):
+    engine = _engine(tiny, kv_cache_dtype="int8", quantization="int8", warmup=True,
+                     prefill_chunk_size=32)
+    compiled = engine.stats()["num_compilations"]
+    rng = np.random.default_rng(3)
+    prompts = random_token_prompts(rng, rng.integers(1, 100, 24))
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i,
+                             max_tokens=int(rng.integers(1, 20)), ignore_eos=True,
+                             logprobs=2 if i % 5 == 0 else None,
+                             prompt_logprobs=1 if i % 7 == 0 else None)
+              for i in range(len(prompts))]
+    run_all(engine, prompts, params)
+    stats = engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0, engine.runner.compilations_after_warmup
+    assert stats["num_compilations"] == compiled
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_one_memory_budget_holds_more_blocks_with_an_int8_cache(tiny):
+    budget = 300_000
+    blocks = {}
+    for kv in ("auto", "int8"):
+        # Enough slots x context that the budget, not the useful maximum, sets the pool.
+        engine = _engine(tiny, kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
+                         max_num_seqs=8, max_model_len=512)
+        blocks[kv] = engine.stats()["num_total_blocks"] + 1          # plus the null block
+        pool_bytes = sum(a.nbytes for a in engine.runner.pool)
+        assert pool_bytes == blocks[kv] * bytes_per_block(tiny.config, 16, jnp.float32, kv)
+        assert pool_bytes <= budget
+    # float32 model: 16 x 4 bytes per (token, head) vs 16 + 4 -> 3.2x the blocks.
+    assert blocks["int8"] == budget // bytes_per_block(tiny.config, 16, jnp.float32, "int8")
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(64 / 20, rel=0.05)
+
+
+def test_default_options_report_the_model_dtype(tiny):
+    stats = _engine(tiny).stats()
+    assert stats["kv_cache_dtype"] == "float32" and stats["quantization"] is None
+
+
+@pytest.mark.parametrize("kw,match", [(dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+                                      (dict(kv_cache_dtype="bfloat16"), "kv_cache_dtype"),
+                                      (dict(quantization="int4"), "quantization='int4'"),
+                                      (dict(quantization="awq"), "quantization")])
+def test_unknown_options_raise_value_error(tiny, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(tiny, **kw)
+
+
+def test_int8_weights_given_without_the_option_are_rejected(tiny):
+    engine = _engine(tiny, quantization="int8")
+    quantized = dataclasses.replace(tiny, params=engine.loaded.params)
+    with pytest.raises(ValueError, match="quantization='int8'"):
+        _engine(quantized)
