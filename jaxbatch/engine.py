@@ -123,10 +123,13 @@ class LLMEngine:
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
                                  kv_cache_dtype)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
-              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype) != (
-                max_num_seqs, num_blocks, block_size, max_model_len, chunk, kv_cache_dtype):
+              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,
+              params_are_quantized(runner.params)) != (
+                max_num_seqs, num_blocks, block_size, max_model_len, chunk, kv_cache_dtype,
+                quantization == "int8"):
             raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
-                             "max_model_len, prefill chunk size and kv_cache_dtype as this engine")
+                             "max_model_len, prefill chunk size, kv_cache_dtype and "
+                             "quantization as this engine")
         self.runner = runner
         self._rng = random.Random(seed)
         self._requests: dict[str, _RequestState] = {}
