@@ -132,3 +132,14 @@ def test_int8_weights_given_without_the_option_are_rejected(tiny):
     quantized = dataclasses.replace(tiny, params=engine.loaded.params)
     with pytest.raises(ValueError, match="quantization='int8'"):
         _engine(quantized)
+
+
+def test_serve_flags_reach_the_engine_kwargs():
+    from jaxbatch.cli import _parser, engine_kwargs
+    args = _parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--quantization", "int8"])
+    kw = engine_kwargs(args)
+    assert kw["kv_cache_dtype"] == "int8" and kw["quantization"] == "int8"
+    defaults = engine_kwargs(_parser().parse_args(["serve"]))
+    assert defaults["kv_cache_dtype"] == "auto" and defaults["quantization"] is None
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
