@@ -120,15 +120,23 @@ def greedy_side_by_side(loaded_by_quant, max_tokens):
     from jaxbatch import LLM, SamplingParams
     from jaxbatch.engine import LLMEngine
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    texts = {}
+    texts, ids = {}, {}
     for name, (kv_dtype, quant) in VARIANTS.items():
         engine = LLMEngine(loaded=loaded_by_quant[quant], max_num_seqs=4, max_model_len=256,
                            kv_cache_dtype=kv_dtype, quantization=quant, warmup=False)
         outs = LLM.from_engine(engine).chat([[{"role": "user", "content": p}] for p in PROMPTS],
                                            params, use_tqdm=False)
         texts[name] = [o.outputs[0].text for o in outs]
-    return [{"prompt": p, **{name: texts[name][i] for name in VARIANTS}}
-            for i, p in enumerate(PROMPTS)]
+        ids[name] = [list(o.outputs[0].token_ids) for o in outs]
+    rows = []
+    for i, p in enumerate(PROMPTS):
+        full = ids["full"][i]
+        # Tokens generated before the variant's first token that differs from full precision's.
+        same = {name: next((j for j, (a, b) in enumerate(zip(full, ids[name][i])) if a != b),
+                           min(len(full), len(ids[name][i]))) for name in VARIANTS}
+        rows.append({"prompt": p, **{name: texts[name][i] for name in VARIANTS},
+                     "tokens": len(full), "identical_prefix_tokens": same})
+    return rows
 
 
 def check_targets(summary) -> list[str]:
@@ -162,7 +170,8 @@ def markdown(report) -> str:
     for g in report.get("greedy", []):
         lines.append(f"\n**{g['prompt']}**\n")
         for name in VARIANTS:
-            lines.append(f"- {name}: {g[name]!r}")
+            same = g["identical_prefix_tokens"][name]
+            lines.append(f"- {name} ({same}/{g['tokens']} tokens as full): {g[name]!r}")
     return "\n".join(lines)
 
 
