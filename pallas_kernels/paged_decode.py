@@ -14,7 +14,7 @@ table) are never read, and come back as 0, so NaN in unused or partly used pages
 the p @ V product, where 0 * NaN would be NaN.
 
 int8 pools (`k_scales, v_scales` given, layout in `int8.py`): the kernel loads int8 tiles and
-their [block_k] scales, converts the tiles to the query's dtype unscaled (exact: |q| <= 127),
+their [block_k] scales, converts the tiles to the query's dtype unscaled (exact: |value| <= 127),
 and applies the scales to the [rows, block_k] scores and probabilities, not to the
 [block_k, D] tiles: a key's scale multiplies its score column after q @ K^T, a value's scale
 multiplies its probability column before p @ V.

@@ -17,6 +17,9 @@ position, `pages_per_compute_block` pages per tile, with an online softmax and a
 
 Tokens that no program owns (padding past cu_q_lens[num_seqs]) keep the zeros of the output
 buffer, which is passed in and aliased to the output.
+
+int8 pools (`k_scales, v_scales`): int8 tiles and their scales are loaded and applied in the
+flash step exactly as in the decode kernel (`paged_decode.py`'s module doc).
 """
 from __future__ import annotations
 
