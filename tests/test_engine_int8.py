@@ -160,3 +160,29 @@ def test_int8_weights_in_the_per_layer_layout_give_the_stacked_tokens(monkeypatc
         assert isinstance(wq, tuple) == (layout == "per_layer")
         tokens[layout] = _tokens(engine)
     assert tokens["stacked"] == tokens["per_layer"]
+
+
+def test_loader_quantizes_from_float32_and_caches_the_int8_params(tmp_path, monkeypatch):
+    import jax
+    from jaxbatch.model.loader import load_model
+    from jaxbatch.model.quantize import quantize_params
+    monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny_hf"
+    make_hf_model("llama_untied_gqa2", seed=5).save_pretrained(path, safe_serialization=True)
+    first = load_model(str(path), "bfloat16", quantization="int8")
+    second = load_model(str(path), "bfloat16", quantization="int8")
+    assert not first.from_cache and second.from_cache
+    assert len(list((tmp_path / "cache").glob("*-int8"))) == 1
+    full = load_model(str(path), "float32")                   # the float32 cache, hit
+    assert full.from_cache and not params_are_quantized(full.params)
+    want = quantize_params(jax.tree.map(np.asarray, full.params))
+    for got in (first, second):
+        layers = got.params["layers"]
+        assert layers["w_up"]["int8"].dtype == jnp.int8
+        assert layers["w_up"]["scale"].dtype == jnp.float32        # whatever the model dtype
+        assert got.params["embed"].dtype == layers["attn_norm"].dtype == jnp.bfloat16
+        for name in ("wq", "w_down"):                 # quantized from float32, not from bf16
+            np.testing.assert_array_equal(np.asarray(layers[name]["int8"]),
+                                          want["layers"][name]["int8"])
+    with pytest.raises(ValueError, match="quantization='fp4'"):
+        load_model(str(path), quantization="fp4")
