@@ -13,10 +13,12 @@ and to `xla` everywhere else: on CPU, and on a GPU with a jax whose Triton backe
 (deprecated from jax 0.11; `xla` is plain jnp and runs on any device). What was picked is what
 `LLMEngine.stats()["attention_backend"]` reports.
 
-Each factory returns `attend(q, k_pages, v_pages, block_offset) -> out` for
+Each factory returns `attend(q, k_pages, v_pages, block_offset, scales=None) -> out` for
 `model.llama.forward_hidden`, closing over the backend's metadata arrays (built by the runner:
 `uses_work_lists`). The block ids in the metadata are layer 0's; `block_offset` (layer l's
-first row of the folded pool) is added to them inside the layer loop.
+first row of the folded pool) is added to them inside the layer loop. `scales` is None for a
+float pool and (k_scales, v_scales) for an int8 one (`pallas_kernels/int8.py`); every backend
+dequantizes inside its attention.
 """
 from __future__ import annotations
 
@@ -61,22 +63,28 @@ def uses_work_lists(backend: str) -> bool:
     return backend == "xla"
 
 
+def _scale_kwargs(scales) -> dict:
+    return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+
+
 def decode_attend(backend: str, meta, scale):
     """One query per row of the decode call.
     xla:    meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])
     others: meta = (block_tables [B, P], lengths [B])"""
     if backend == "xla":
         item_slot, item_pages, item_first_pos, lengths = meta
-        return lambda q, k_pages, v_pages, off: xla_paged_attention.paged_decode_attention_xla(
-            q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths, scale=scale)
+        return lambda q, k_pages, v_pages, off, scales=None: (
+            xla_paged_attention.paged_decode_attention_xla(
+                q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths,
+                scale=scale, **_scale_kwargs(scales)))
     if backend == "reference":
         fn = reference.paged_decode_attention_ref
     else:
         from pallas_kernels.paged_decode import paged_decode_attention
         fn = functools.partial(paged_decode_attention, interpret=backend == "pallas_interpret")
     block_tables, lengths = meta
-    return lambda q, k_pages, v_pages, off: fn(q, k_pages, v_pages, block_tables + off, lengths,
-                                               scale=scale)
+    return lambda q, k_pages, v_pages, off, scales=None: fn(
+        q, k_pages, v_pages, block_tables + off, lengths, scale=scale, **_scale_kwargs(scales))
 
 
 def prefill_attend(backend: str, meta, scale):
@@ -85,13 +93,16 @@ def prefill_attend(backend: str, meta, scale):
     others: meta = (kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], num_seqs [1])"""
     if backend == "xla":
         query_pos, tile_pages = meta
-        return lambda q, k_pages, v_pages, off: xla_paged_attention.tiled_prefill_attention_xla(
-            q, k_pages, v_pages, query_pos, tile_pages + off, scale=scale)
+        return lambda q, k_pages, v_pages, off, scales=None: (
+            xla_paged_attention.tiled_prefill_attention_xla(
+                q, k_pages, v_pages, query_pos, tile_pages + off, scale=scale,
+                **_scale_kwargs(scales)))
     if backend == "reference":
         fn = reference.ragged_paged_attention_ref
     else:
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         fn = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret")
     kv_lens, page_indices, cu_q_lens, num_seqs = meta
-    return lambda q, k_pages, v_pages, off: fn(q, k_pages, v_pages, kv_lens, page_indices + off,
-                                               cu_q_lens, num_seqs, scale=scale)
+    return lambda q, k_pages, v_pages, off, scales=None: fn(
+        q, k_pages, v_pages, kv_lens, page_indices + off, cu_q_lens, num_seqs, scale=scale,
+        **_scale_kwargs(scales))

@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 3}\' (off by default)')
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: KV cache as int8 with a float32 scale per token and KV head "
+                        "(~1.9x the tokens of bfloat16 in the same memory)")
+    s.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 layer matrices, one scale per output channel")
     s.add_argument("--no-warmup", action="store_true",
                    help="ready without compiling every shape first (the first requests compile)")
     s.add_argument("--max-num-queued-reqs", type=int, default=None,
@@ -93,7 +98,8 @@ def engine_kwargs(args) -> dict:
                 speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, num_processes=args.num_processes,
-                process_id=args.process_id, coordinator_address=args.coordinator_address)
+                process_id=args.process_id, coordinator_address=args.coordinator_address,
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def serve(args) -> int:

@@ -8,6 +8,7 @@ blocks and slot are freed at once and its final output is returned by that same 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -17,10 +18,11 @@ import numpy as np
 from jaxbatch import compile_cache
 from jaxbatch.config import SchedulerConfig, next_power_of_two
 from jaxbatch.draft_model import DraftModelProposer
-from jaxbatch.kv_cache import blocks_for_budget
+from jaxbatch.kv_cache import blocks_for_budget, check_kv_cache_dtype
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.model.quantize import check_quantization, params_are_quantized, quantize_params
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.request import Sequence, SequenceStatus
 from jaxbatch.request_state import RequestState
@@ -53,7 +55,8 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs", batching: str = "continuous", seed: int = 0,
                  prefill_chunk_size: int | None = None, attention_backend: str = "auto",
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
-                 compilation_cache: bool = True, enable_prefix_caching: bool = True,
+                 compilation_cache: bool = True, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None, enable_prefix_caching: bool = True,
                  speculative_config: dict | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, num_processes: int = 1, process_id: int = 0,
                  coordinator_address: str | None = None, devices=None,
@@ -71,13 +74,22 @@ class LLMEngine:
         devices, every process's; `jaxbatch/parallel/`). `data_parallel_size` or
         `num_processes` above 1 make `__new__` return the engine of `parallel/build.py`
         instead (LLMEngine's interface); here they are 1 and process_id and
-        coordinator_address unused."""
+        coordinator_address unused. `kv_cache_dtype="int8"` stores the KV cache as int8 with
+        per-(token, KV head) scales; `quantization="int8"` makes the layer matrices int8
+        (weight-only, per output channel)."""
         speculative = SpeculativeConfig.from_dict(speculative_config)   # fail before loading
+        check_kv_cache_dtype(kv_cache_dtype)
+        check_quantization(quantization)
         if compilation_cache:
             compile_cache.enable()
         # Split over devices: weights stay on the host until each device takes its slice.
-        loaded = loaded or load_model(model, dtype, on_device=tensor_parallel_size == 1
-                                      and devices is None)
+        loaded = loaded or load_model(model, dtype, quantization=quantization,
+                                      on_device=tensor_parallel_size == 1 and devices is None)
+        if quantization == "int8" and not params_are_quantized(loaded.params):
+            # Weights given in full precision (loaded=): quantize a copy, the caller's stay.
+            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params))
+        elif quantization is None and params_are_quantized(loaded.params):
+            raise ValueError("loaded= holds int8 weights; pass quantization='int8'")
         # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
         loaded.params = llama.stack_layers(loaded.params)
         self.loaded = loaded
@@ -85,7 +97,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         mc = self.model_config
-        param_dtype = jax.tree.leaves(loaded.params)[0].dtype
+        param_dtype = loaded.params["embed"].dtype     # layer matrices may be int8
+        self.kv_cache_dtype, self.quantization = kv_cache_dtype, quantization
 
         max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > mc.max_position_embeddings:
@@ -104,7 +117,8 @@ class LLMEngine:
             chunk = prefill_chunk_size
         if num_blocks is None:
             num_blocks = self._default_num_blocks(mc, block_size, param_dtype, max_num_seqs,
-                                                  max_model_len, kv_cache_memory_bytes)
+                                                  max_model_len, kv_cache_memory_bytes,
+                                                  kv_cache_dtype)
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -115,7 +129,8 @@ class LLMEngine:
             eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
         self.eos_token_ids = eos
         # What the KV depends on besides the tokens: cached blocks are keyed under it.
-        namespace = f"{loaded.source}|{param_dtype}|{mc}|block_size={block_size}"
+        namespace = (f"{loaded.source}|{param_dtype}|{mc}|block_size={block_size}"
+                     f"|kv={kv_cache_dtype}|weights={quantization}")
         proposer = None
         if speculative is not None and speculative.method == "draft_model":
             proposer = DraftModelProposer(
@@ -131,12 +146,15 @@ class LLMEngine:
                 from jaxbatch.parallel.sharding import TensorParallel
                 tp = TensorParallel(tensor_parallel_size, devices)
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
-                                 tensor_parallel=tp)
+                                 kv_cache_dtype, tensor_parallel=tp)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
-              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size) != (
-                max_num_seqs, num_blocks, block_size, max_model_len, chunk):
+              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,
+              params_are_quantized(runner.params)) != (
+                max_num_seqs, num_blocks, block_size, max_model_len, chunk, kv_cache_dtype,
+                quantization == "int8"):
             raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
-                             "max_model_len and prefill chunk size as this engine")
+                             "max_model_len, prefill chunk size, kv_cache_dtype and "
+                             "quantization as this engine")
         self.runner = runner
         self._rng = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
@@ -151,7 +169,8 @@ class LLMEngine:
             self.warmup()
 
     @staticmethod
-    def _default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget):
+    def _default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget,
+                            kv_cache_dtype="auto"):
         if budget is None:
             if jax.default_backend() == "cpu":
                 budget = CPU_KV_BUDGET_BYTES
@@ -160,7 +179,7 @@ class LLMEngine:
                 free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0)
                 budget = int(free * GPU_KV_MEMORY_FRACTION)
         useful = max_num_seqs * -(-max_model_len // block_size) + 1
-        return int(min(blocks_for_budget(mc, block_size, dtype, budget), useful))
+        return int(min(blocks_for_budget(mc, block_size, dtype, budget, kv_cache_dtype), useful))
 
     def warmup(self) -> float:
         self.warmup_seconds += self.runner.warmup()
@@ -318,6 +337,9 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
+            # "int8", or the model dtype the "auto" cache stores
+            "kv_cache_dtype": str(self.runner.pool[0].dtype),
+            "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,

@@ -230,12 +230,12 @@ def simulated_failure(kind: str) -> bool:
 
 # ---- runs ---------------------------------------------------------------------------------------
 
-def make_engine(loaded: LoadedModel, slots: int, max_model_len: int, backend: str):
+def make_engine(loaded: LoadedModel, slots: int, max_model_len: int, backend: str, **kw):
     from jaxbatch.engine import LLMEngine
     pages = -(-max_model_len // 16)
     # num_blocks sized to the run (not half the GPU): two engines on an 8B model must coexist.
     return LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
-                     num_blocks=slots * pages + 1, attention_backend=backend, warmup=False)
+                     num_blocks=slots * pages + 1, attention_backend=backend, warmup=False, **kw)
 
 
 def generate(engine, prompts, new_tokens: int, logprobs: int | None = None):
@@ -263,11 +263,11 @@ def generate(engine, prompts, new_tokens: int, logprobs: int | None = None):
             [outputs[rid].logprobs for rid in ids], seconds, steps)
 
 
-def speed_run(loaded, slots, prompt_len, new_tokens, backend, seed):
+def speed_run(loaded, slots, prompt_len, new_tokens, backend, seed, **engine_kw):
     rng = np.random.default_rng(seed)
     vocab = loaded.config.vocab_size
     prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(slots)]
-    engine = make_engine(loaded, slots, prompt_len + new_tokens, backend)
+    engine = make_engine(loaded, slots, prompt_len + new_tokens, backend, **engine_kw)
     generate(engine, prompts, new_tokens)      # untimed: compiles every bucket the run uses
     compiled = engine.stats()["num_compilations"]
     tokens, _, seconds, steps = generate(engine, prompts, new_tokens)
@@ -340,6 +340,15 @@ def run_model(name, args, backend):
     result["check"] = greedy_check(loaded, prompts[:n], tokens[:n], backend, args.slots,
                                    args.prompt_len + args.new_tokens, args.check_tokens,
                                    tolerance)
+    if name in args.int8_models and time.perf_counter() - args.started > args.budget_s - 30:
+        result["speed_int8"] = {"skipped": "time budget spent"}
+    elif name in args.int8_models:
+        # After the check (which decides pass/fail): the same run with an int8 KV cache and
+        # int8 weights, timing only (accuracy is scripts/accuracy.py's job); same prompts, so
+        # the speeds compare directly.
+        result["speed_int8"] = speed_run(loaded, args.slots, args.prompt_len, args.new_tokens,
+                                         backend, args.seed, kv_cache_dtype="int8",
+                                         quantization="int8")[0]
     result["seconds"] = time.perf_counter() - start
     del loaded
     gc.collect()
@@ -370,6 +379,14 @@ def table(results) -> str:
                      f"{s['e2e_output_tokens_per_s']:.0f} | {s['decode_tokens_per_s'] or 0:.0f} | "
                      f"{s['decode_step_ms_median'] or 0:.2f} | {s['compilations_warmup']} / "
                      f"{s['compilations_timed']} | {eq} ({c['requests']}x{c['tokens_each']}) |")
+        q = r.get("speed_int8")
+        if q and "skipped" in q:
+            lines.append(f"| {r['model']} int8 KV + weights | SKIPPED {q['skipped']} | | | | | |")
+        elif q:
+            lines.append(f"| {r['model']} int8 KV + weights | {q['backend']} | "
+                         f"{q['e2e_output_tokens_per_s']:.0f} | {q['decode_tokens_per_s'] or 0:.0f} | "
+                         f"{q['decode_step_ms_median'] or 0:.2f} | {q['compilations_warmup']} / "
+                         f"{q['compilations_timed']} | (timing only) |")
     return "\n".join(lines)
 
 
@@ -409,6 +426,9 @@ def parse_args(argv=None):
                          "differ; default near_tie_tolerance(model, dtype)")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="no new model is started after this many seconds")
+    ap.add_argument("--int8-models", nargs="*", default=None, choices=sorted(MODEL_SHAPES),
+                    help="models also timed with kv_cache_dtype=int8 and quantization=int8 "
+                         "(default: 8B, where decode is bandwidth-bound; tiny with --dry-run)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.dry_run else "bfloat16")
@@ -418,6 +438,8 @@ def parse_args(argv=None):
         args.new_tokens, args.check_requests = min(args.new_tokens, 8), min(args.check_requests, 2)
         args.check_tokens = min(args.check_tokens, args.new_tokens)
     args.models = args.models or ["small", "1B", "8B"]
+    if args.int8_models is None:
+        args.int8_models = ["tiny"] if args.dry_run else ["8B"]
     if args.check_tokens > args.new_tokens:
         ap.error("--check-tokens must be <= --new-tokens")
     return args
@@ -438,7 +460,7 @@ def main(argv=None) -> int:
               "args": vars(args), "models": []}
     if on_gpu:
         report["copy_GBps"] = copy_bandwidth(1 << 30) / 1e9
-    start = time.perf_counter()
+    start = args.started = time.perf_counter()
     for name in args.models:
         if time.perf_counter() - start > args.budget_s:
             report["models"].append({"model": name, "skipped": "time budget spent"})

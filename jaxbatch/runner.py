@@ -27,6 +27,7 @@ from jaxbatch import attention, kv_cache, sampler
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
 from jaxbatch.step_inputs import MAX_CHUNKS_PER_CALL, ModelCall, StepLayout
@@ -57,10 +58,14 @@ def _prompt_logprobs_step(params, hidden, targets):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
-                 attention_backend: str = "auto", tensor_parallel=None):
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 tensor_parallel=None):
         """`tensor_parallel`: a `jaxbatch.parallel.sharding.TensorParallel` that places the
         params and pool on its mesh and gives every compiled call its shardings; None on one
         device (the default path, untouched by any of it)."""
+        if tensor_parallel is not None and (kv_cache_dtype != "auto" or _has_int8(params)):
+            raise ValueError("tensor_parallel_size > 1 with an int8 KV cache or int8 weights "
+                             "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
         params = llama.stack_layers(params)
@@ -73,8 +78,14 @@ class ModelRunner:
         # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
         chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
         self.layout = StepLayout(sched_cfg, attention.uses_work_lists(self.backend), chunks_per_call)
-        allocate = kv_cache.allocate_pool if self.tp is None else self.tp.allocate_pool
-        self.pool = allocate(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size, dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
+        if self.tp is None:
+            self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks,
+                                               sched_cfg.block_size, dtype, kv_cache_dtype)
+        else:
+            self.pool = self.tp.allocate_pool(model_cfg, sched_cfg.num_blocks,
+                                              sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq,
                       per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
@@ -139,8 +150,8 @@ class ModelRunner:
         vocab, n = self.model_cfg.vocab_size, key[1]
         if kind == "sample":
             return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n))
-        hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size),
-                                      jax.tree.leaves(self.params)[0].dtype)
+        # The embedding's dtype is the activations' (layer matrices may be int8).
+        hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
     # ---- one engine step -----------------------------------------------------------------
@@ -212,6 +223,10 @@ class ModelRunner:
                               "compile_s": time.perf_counter() - lowered_at, "threads": workers}
         self.warmed_up = True
         return elapsed
+
+
+def _has_int8(params) -> bool:
+    return any(is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
 def _compile_threads() -> int:

@@ -13,6 +13,12 @@ Gathers are Triton masked loads: positions past the length (and page-table entri
 table) are never read, and come back as 0, so NaN in unused or partly used pages cannot reach
 the p @ V product, where 0 * NaN would be NaN.
 
+int8 pools (`k_scales, v_scales` given, layout in `int8.py`): the kernel loads int8 tiles and
+their [block_k] scales, converts the tiles to the query's dtype unscaled (exact: |value| <= 127),
+and applies the scales to the [rows, block_k] scores and probabilities, not to the
+[block_k, D] tiles: a key's scale multiplies its score column after q @ K^T, a value's scale
+multiplies its probability column before p @ V.
+
 This module also holds the validation and the flash step shared with the ragged kernel.
 """
 from __future__ import annotations
@@ -22,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels.int8 import check_scales
 
 try:  # The Triton backend is deprecated from jax 0.11 and will be removed (see DESIGN.md).
     from jax.experimental.pallas import triton as pltriton
@@ -57,16 +65,23 @@ def check_int32(name, x, shape):
         raise ValueError(f"{name} must be int32, got {jnp.result_type(x)}")
 
 
-def check_kv_pool(k_pages, v_pages, *, require_pow2=True):
-    """k_pages, v_pages: [KVH, num_blocks, block_size, head_dim], same shape and dtype."""
+def check_kv_pool(k_pages, v_pages, *, require_pow2=True, k_scales=None, v_scales=None):
+    """k_pages, v_pages: [KVH, num_blocks, block_size, head_dim], same shape and dtype; float32
+    or bfloat16, or int8 with both k_scales and v_scales [KVH, num_blocks, block_size] float32."""
     check_rank("k_pages", k_pages, 4)
     check_rank("v_pages", v_pages, 4)
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ in shape")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ in dtype")
-    if k_pages.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"KV dtype must be float32 or bfloat16, got {k_pages.dtype}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("an int8 pool needs both k_scales and v_scales")
+    if k_scales is not None:
+        check_scales(k_pages, k_scales, "k")
+        check_scales(v_pages, v_scales, "v")
+    elif k_pages.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"KV dtype must be float32 or bfloat16 (or int8 with scales), got "
+                         f"{k_pages.dtype}")
     _, _, block_size, head_dim = k_pages.shape
     if require_pow2:  # Triton blocks must be powers of two
         if not _is_pow2(block_size):
@@ -83,7 +98,10 @@ def check_query(q, k_pages):
         raise ValueError(f"q head_dim {q.shape[2]} != KV head_dim {head_dim}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype != k_pages.dtype:
+    if k_pages.dtype == jnp.int8:      # int8 pool: q sets the compute dtype
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    elif q.dtype != k_pages.dtype:
         raise ValueError(f"q dtype {q.dtype} != KV dtype {k_pages.dtype}")
 
 
@@ -118,15 +136,20 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def flash_step(carry, q, k, v, mask, *, scale, soft_cap, precision):
+def flash_step(carry, q, k, v, mask, *, scale, soft_cap, precision, kv_scales=None):
     """One online-softmax step over a tile of keys.
 
     q [R, D]; k, v [K, D] (masked keys already loaded as 0); mask broadcastable to [R, K];
     carry = (acc [R, D] f32 unnormalised, m [R] running max, l [R] running sum).
+    kv_scales: None, or (k_scale [K], v_scale [K]) f32 for int8 k, v (masked keys' scales 0).
     """
     acc, m_prev, l_prev = carry
+    if kv_scales is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)      # int8 -> q's dtype is exact
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale       # [R, K]
+    if kv_scales is not None:
+        s = s * kv_scales[0][None, :]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
@@ -136,6 +159,8 @@ def flash_step(carry, q, k, v, mask, *, scale, soft_cap, precision):
     alpha = jnp.exp(m_prev - m_sub)
     p = jnp.exp(s - m_sub[:, None])
     l_new = alpha * l_prev + p.sum(axis=1)
+    if kv_scales is not None:
+        p = p * kv_scales[1][None, :]                 # the denominator keeps unscaled p
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)               # [R, D]
     return alpha[:, None] * acc + pv, m_new, l_new
@@ -152,11 +177,14 @@ def flash_finish(acc, l):
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def load_kv_tile(k_ref, v_ref, table_ref, seq, kv_head, first_key, num_keys, block_k):
+def load_kv_tile(k_ref, v_ref, table_ref, seq, kv_head, first_key, num_keys, block_k,
+                 scale_refs=None):
     """Gathers keys first_key .. first_key + block_k of sequence `seq` through its page table.
 
     Keys at or past `num_keys` are not read (masked load) and come back as 0.
-    Returns k, v [block_k, D], the key positions [block_k] and their validity [block_k].
+    Returns k, v [block_k, D], the key positions [block_k], their validity [block_k], and
+    with `scale_refs` = (k_scales_ref, v_scales_ref) of an int8 pool, their scales
+    ([block_k] each, 0 where not read), else None.
     """
     block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     pos = first_key + jnp.arange(block_k, dtype=jnp.int32)
@@ -166,14 +194,20 @@ def load_kv_tile(k_ref, v_ref, table_ref, seq, kv_head, first_key, num_keys, blo
            jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     k = pltriton.load(k_ref.at[idx], mask=valid[:, None], other=0)                   # [K, D]
     v = pltriton.load(v_ref.at[idx], mask=valid[:, None], other=0)
-    return k, v, pos, valid
+    scales = None
+    if scale_refs is not None:
+        sidx = (kv_head, page, pos % block_size)
+        scales = tuple(pltriton.load(r.at[sidx], mask=valid, other=0.0) for r in scale_refs)
+    return k, v, pos, valid, scales
 
 
 # ---------------------------------------------------------------------------------------------
 # Decode kernel.
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, group, rows,
-                   pages_per_block, pages_per_split, scale, soft_cap, precision):
+def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group, rows,
+                   pages_per_block, pages_per_split, scale, soft_cap, precision, quantized):
+    # int8 pools pass (k_scales, v_scales) after the pages; then come the outputs.
+    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else (None, refs)
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     block_k = pages_per_block * block_size
@@ -190,10 +224,11 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs, grou
     num_tiles = (jnp.maximum(end_key - first_key, 0) + block_k - 1) // block_k
 
     def body(i, carry):
-        k, v, _, valid = load_kv_tile(k_ref, v_ref, tables_ref, b, kv_head,
-                                      first_key + i * block_k, end_key, block_k)
+        k, v, _, valid, kv_scales = load_kv_tile(k_ref, v_ref, tables_ref, b, kv_head,
+                                                 first_key + i * block_k, end_key, block_k,
+                                                 scale_refs)
         return flash_step(carry, q, k, v, valid[None, :], scale=scale, soft_cap=soft_cap,
-                          precision=precision)
+                          precision=precision, kv_scales=kv_scales)
 
     acc, m, l = jax.lax.fori_loop(0, num_tiles, body, flash_init(rows, head_dim))
     out = flash_finish(acc, l)
@@ -238,13 +273,15 @@ def decode_launch_config(batch, num_kv_heads, pages_per_seq, block_size,
     "interpret"))
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                            soft_cap=None, pages_per_compute_block=None, num_splits=None,
-                           num_warps=4, num_stages=2, interpret=False):
-    """q [B, H, D]; k/v_pages [KVH, N, bs, D]; block_tables [B, P] int32; lengths [B] int32.
+                           num_warps=4, num_stages=2, interpret=False, k_scales=None,
+                           v_scales=None):
+    """q [B, H, D]; k/v_pages [KVH, N, bs, D]; block_tables [B, P] int32; lengths [B] int32;
+    for an int8 pool, k/v_scales [KVH, N, bs] float32.
 
     Returns [B, H, D] in q's dtype (zeros for length-0 slots). `num_splits` (default: enough
     programs to fill the GPU) splits each slot's pages over several programs.
     """
-    check_kv_pool(k_pages, v_pages)
+    check_kv_pool(k_pages, v_pages, k_scales=k_scales, v_scales=v_scales)
     check_query(q, k_pages)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -262,7 +299,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
     kernel = functools.partial(
         _decode_kernel, group=group, rows=rows, pages_per_block=pages_per_block,
         pages_per_split=pages_per_split, scale=float(head_dim ** -0.5 if scale is None else scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype))
+        soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype),
+        quantized=k_scales is not None)
+    scale_args = () if k_scales is None else (k_scales, v_scales)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype)
     else:
@@ -274,7 +313,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
         kernel, grid=(batch, num_kv_heads, splits), out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="jaxbatch_paged_decode",
-    )(lengths, block_tables, q, k_pages, v_pages)
+    )(lengths, block_tables, q, k_pages, v_pages, *scale_args)
     if splits == 1:
         return result
     out = _combine_splits(*result)[:, :, :group]                # [B, KVH, G, D]

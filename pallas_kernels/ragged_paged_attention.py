@@ -17,6 +17,9 @@ position, `pages_per_compute_block` pages per tile, with an online softmax and a
 
 Tokens that no program owns (padding past cu_q_lens[num_seqs]) keep the zeros of the output
 buffer, which is passed in and aliased to the output.
+
+int8 pools (`k_scales, v_scales`): int8 tiles and their scales are loaded and applied in the
+flash step exactly as in the decode kernel (`paged_decode.py`'s module doc).
 """
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ _TARGET_ROWS = 64       # query rows (tokens x padded group) per program
 
 
 def _ragged_kernel(block_seq_ref, block_first_ref, cu_ref, kv_lens_ref, pages_ref, q_ref,
-                   k_ref, v_ref, _zeros_ref, o_ref, *, group, group_pad, block_q, block_k,
-                   scale, soft_cap, precision):
+                   k_ref, v_ref, *refs, group, group_pad, block_q, block_k,
+                   scale, soft_cap, precision, quantized):
+    # int8 pools pass (k_scales, v_scales) after the pages; then the zeros input and the output.
+    scale_refs = refs[:2] if quantized else None
+    o_ref = refs[-1]
     blk, kv_head = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     seq = block_seq_ref[blk]
@@ -62,11 +68,11 @@ def _ragged_kernel(block_seq_ref, block_first_ref, cu_ref, kv_lens_ref, pages_re
     num_tiles = (jnp.maximum(end_key, 0) + block_k - 1) // block_k
 
     def body(i, carry):
-        k, v, k_pos, k_ok = load_kv_tile(k_ref, v_ref, pages_ref, seq, kv_head, i * block_k,
-                                         end_key, block_k)
+        k, v, k_pos, k_ok, kv_scales = load_kv_tile(k_ref, v_ref, pages_ref, seq, kv_head,
+                                                    i * block_k, end_key, block_k, scale_refs)
         mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
         return flash_step(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap,
-                          precision=precision)
+                          precision=precision, kv_scales=kv_scales)
 
     acc, _, l = jax.lax.fori_loop(0, num_tiles, body, flash_init(block_q * group_pad, head_dim))
     pltriton.store(o_ref.at[qo_idx], flash_finish(acc, l).astype(o_ref.dtype),
@@ -106,11 +112,12 @@ def ragged_launch_config(num_tokens, max_seqs, group, pages_per_seq, block_size,
     "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            scale=None, soft_cap=None, block_q=None, pages_per_compute_block=None,
-                           num_warps=4, num_stages=2, interpret=False):
+                           num_warps=4, num_stages=2, interpret=False, k_scales=None,
+                           v_scales=None):
     """q [T, H, D]; k/v_pages [KVH, N, bs, D]; kv_lens [S] int32; page_indices [S, P] int32;
-    cu_q_lens [S + 1] int32; num_seqs int32 scalar or [1]. Returns [T, H, D] in q's dtype,
-    zeros for padding tokens."""
-    check_kv_pool(k_pages, v_pages)
+    cu_q_lens [S + 1] int32; num_seqs int32 scalar or [1]; for an int8 pool, k/v_scales
+    [KVH, N, bs] float32. Returns [T, H, D] in q's dtype, zeros for padding tokens."""
+    check_kv_pool(k_pages, v_pages, k_scales=k_scales, v_scales=v_scales)
     check_query(q, k_pages)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -134,12 +141,16 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         _ragged_kernel, group=group, group_pad=group_pad, block_q=block_q,
         block_k=pages_per_block * block_size,
         scale=float(head_dim ** -0.5 if scale is None else scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype))
+        soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype),
+        quantized=k_scales is not None)
     zeros = jnp.zeros_like(q)
+    inputs = (block_seq, block_first, cu, kv_lens, page_indices, q, k_pages, v_pages,
+              *(() if k_scales is None else (k_scales, v_scales)), zeros)
     return pl.pallas_call(
         kernel, grid=(num_blocks, num_kv_heads),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        input_output_aliases={8: 0},       # output starts as `zeros`: padding tokens stay 0
+        # The output starts as `zeros` (the last input): padding tokens stay 0.
+        input_output_aliases={len(inputs) - 1: 0},
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="jaxbatch_ragged_paged_attention",
-    )(block_seq, block_first, cu, kv_lens, page_indices, q, k_pages, v_pages, zeros)
+    )(*inputs)

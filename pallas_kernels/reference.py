@@ -7,6 +7,9 @@ Shared layout (the same as JAX's shipped `pallas.ops.gpu.paged_attention`):
 
 Masked positions may hold anything (NaN included): every masked score *and* value is replaced
 before it meets arithmetic, because 0 * NaN is NaN.
+
+int8 pools (`pallas_kernels/int8.py`) pass `k_scales, v_scales` [KVH, num_blocks, block_size]:
+the oracle simply dequantizes the pages it gathers to float32 and proceeds as for a float pool.
 """
 from __future__ import annotations
 
@@ -31,6 +34,13 @@ def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):
     return k_pages, v_pages
 
 
+def _gather(pages, scales, index):
+    """pages[:, index] as float32, dequantized with its scales when the pool is int8."""
+    if scales is None:
+        return pages[:, index].astype(jnp.float32)
+    return pages[:, index].astype(jnp.float32) * scales[:, index][..., None]
+
+
 def _soft_cap(scores, soft_cap):
     if soft_cap is None:
         return scores
@@ -49,7 +59,7 @@ def _masked_softmax(scores, mask):
 
 
 def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                               soft_cap=None):
+                               soft_cap=None, k_scales=None, v_scales=None):
     """One query token per sequence attending to its first `lengths[b]` cached tokens.
 
     q: [B, H, D]; block_tables: [B, P] int32; lengths: [B] int32 (0 = empty slot -> zeros).
@@ -62,13 +72,13 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, sc
     scale = head_dim ** -0.5 if scale is None else scale
     context = pages_per_seq * block_size
 
-    k = k_pages[:, block_tables].reshape(num_kv_heads, batch, context, head_dim)
-    v = v_pages[:, block_tables].reshape(num_kv_heads, batch, context, head_dim)
+    k = _gather(k_pages, k_scales, block_tables).reshape(num_kv_heads, batch, context, head_dim)
+    v = _gather(v_pages, v_scales, block_tables).reshape(num_kv_heads, batch, context, head_dim)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     mask = jnp.arange(context)[None, :] < lengths[:, None]                    # [B, ctx]
-    v = jnp.where(mask[None, :, :, None], v.astype(jnp.float32), 0.0)
+    v = jnp.where(mask[None, :, :, None], v, 0.0)
 
-    scores = jnp.einsum("bkgd,kbtd->bkgt", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
+    scores = jnp.einsum("bkgd,kbtd->bkgt", qg, k, precision=_HIGHEST) * scale
     scores = _soft_cap(scores, soft_cap)
     probs, denom = _masked_softmax(scores, mask[:, None, None, :])
     out = jnp.einsum("bkgt,kbtd->bkgd", probs, v, precision=_HIGHEST) / denom
@@ -93,7 +103,7 @@ def ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens):
 
 
 def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               *, scale=None, soft_cap=None):
+                               *, scale=None, soft_cap=None, k_scales=None, v_scales=None):
     """Packed queries of several sequences (prefill chunks and decode tokens mixed), causal
     within each sequence, over each sequence's pages.
 
@@ -110,18 +120,19 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
 
     seq, position, valid = ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
     # Keys of all sequences side by side: [KVH, S * ctx, D].
-    k = k_pages[:, page_indices.reshape(-1)].reshape(num_kv_heads, max_seqs * context, head_dim)
-    v = v_pages[:, page_indices.reshape(-1)].reshape(num_kv_heads, max_seqs * context, head_dim)
+    flat = page_indices.reshape(-1)
+    k = _gather(k_pages, k_scales, flat).reshape(num_kv_heads, max_seqs * context, head_dim)
+    v = _gather(v_pages, v_scales, flat).reshape(num_kv_heads, max_seqs * context, head_dim)
     key_seq = jnp.repeat(jnp.arange(max_seqs), context)
     key_pos = jnp.tile(jnp.arange(context), max_seqs)
     # Sequences past num_seqs are padding: their pages may hold anything (NaN included).
     key_valid = (key_pos < kv_lens[key_seq]) & (key_seq < jnp.asarray(num_seqs).reshape(()))
     mask = ((key_seq[None, :] == seq[:, None]) & (key_pos[None, :] <= position[:, None])
             & key_valid[None, :] & valid[:, None])                             # [T, S*ctx]
-    v = jnp.where(key_valid[None, :, None], v.astype(jnp.float32), 0.0)
+    v = jnp.where(key_valid[None, :, None], v, 0.0)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,ksd->tkgs", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
+    scores = jnp.einsum("tkgd,ksd->tkgs", qg, k, precision=_HIGHEST) * scale
     scores = _soft_cap(scores, soft_cap)
     probs, denom = _masked_softmax(scores, mask[:, None, None, :])
     out = jnp.einsum("tkgs,ksd->tkgd", probs, v, precision=_HIGHEST) / denom

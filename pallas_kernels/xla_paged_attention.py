@@ -16,6 +16,11 @@ holding tokens of one chunk only (the host pads every chunk to a multiple of the
 tile carries its own sequence's block table. A tile attends causally over those pages.
 
 Masked keys may hold anything (NaN included): masked values are zeroed before p @ V.
+
+int8 pools (`k_scales, v_scales` given, see `int8.py`): the int8 pages are converted to float32
+unscaled, and the scales are applied where they cost least: a key's scale multiplies its score
+column after q @ K, a value's scale multiplies its probability column before p @ V (both are
+[.., span] instead of [.., span, head_dim]). Scales of masked keys are zeroed like values.
 """
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, 
 # ---- device ---------------------------------------------------------------------------------
 
 def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
-                               lengths, *, scale=None):
+                               lengths, *, scale=None, k_scales=None, v_scales=None):
     """q [B, H, D]; item_slot [J], item_pages [J, PPI], item_first_pos [J] int32 from
     `decode_work_items`; lengths [B]. -> [B, H, D]."""
     batch, num_heads, head_dim = q.shape
@@ -86,6 +91,8 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     qi = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)[slot]  # [J, K, G, D]
 
     scores = jnp.einsum("jkgd,kjtd->jkgt", qi, k, precision=_HIGHEST) * scale  # [J, K, G, span]
+    if k_scales is not None:
+        scores = scores * _item_scales(k_scales, item_pages, key_ok)
     scores = jnp.where(key_ok[:, None, None, :], scores, -jnp.inf)
     onehot = item_slot[None, :] == jnp.arange(batch)[:, None]                 # [B, J]
     # The softmax of a slot spans all its items: shift every item by its slot's max.
@@ -94,14 +101,25 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     slot_max = jnp.where(jnp.isfinite(slot_max), slot_max, 0.0)                # [B, K, G]
     probs = jnp.where(key_ok[:, None, None, :], jnp.exp(scores - slot_max[slot][..., None]), 0.0)
     onehot = onehot.astype(jnp.float32)
-    item_out = jnp.einsum("jkgt,kjtd->jkgd", probs, v, precision=_HIGHEST)     # [J, K, G, D]
+    weights = probs if v_scales is None else probs * _item_scales(v_scales, item_pages, key_ok)
+    item_out = jnp.einsum("jkgt,kjtd->jkgd", weights, v, precision=_HIGHEST)   # [J, K, G, D]
     out = jnp.einsum("bj,jkgd->bkgd", onehot, item_out, precision=_HIGHEST)
     denom = jnp.einsum("bj,jkg->bkg", onehot, jnp.sum(probs, axis=-1), precision=_HIGHEST)
     out = out / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
-def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None):
+def _item_scales(scales, pages, key_ok):
+    """scales [KVH, N, bs] gathered for pages [J, P] -> [J, KVH, 1, P * bs], 0 where masked
+    (a NaN scale in an unused page must not reach arithmetic)."""
+    num_items, pages_per_item = pages.shape
+    s = scales[:, pages].reshape(scales.shape[0], num_items, -1)              # [KVH, J, span]
+    s = jnp.where(key_ok[None], s, 0.0)
+    return jnp.swapaxes(s, 0, 1)[:, :, None, :]
+
+
+def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None,
+                                k_scales=None, v_scales=None):
     """q [T, H, D] with T = num_tiles * PREFILL_TILE; query_pos [T] (absolute position, -1 for
     padding, which gives zeros); tile_pages [num_tiles, P]: the block table of the sequence
     each tile belongs to. Causal: a query attends to keys at positions <= its own."""
@@ -123,11 +141,25 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
 
     scores = jnp.einsum("nqkgd,kntd->nkgqt", qt, k.astype(jnp.float32),
                         precision=_HIGHEST) * scale                            # [N, K, G, tq, ctx]
+    if k_scales is not None:
+        scores = scores * _tile_scales(k_scales, tile_pages, key_used)
     mask = mask[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum("nkgqt,kntd->nqkgd", probs / denom, v, precision=_HIGHEST)
+    probs = probs / denom
+    if v_scales is not None:
+        probs = probs * _tile_scales(v_scales, tile_pages, key_used)
+    out = jnp.einsum("nkgqt,kntd->nqkgd", probs, v, precision=_HIGHEST)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _tile_scales(scales, tile_pages, key_used):
+    """scales [KVH, N, bs] gathered for tile_pages [N_tiles, P] -> [N_tiles, KVH, 1, 1, ctx],
+    0 past the tile's last query position (unused pages may hold NaN scales)."""
+    num_tiles = tile_pages.shape[0]
+    s = scales[:, tile_pages].reshape(scales.shape[0], num_tiles, -1)         # [KVH, N, ctx]
+    s = jnp.where(key_used[None], s, 0.0)
+    return jnp.swapaxes(s, 0, 1)[:, :, None, None, :]

@@ -518,12 +518,16 @@ def bench_gpu(args, entries) -> dict:
     """Random-weight Llama shapes (bf16), token-id prompts, continuous vs static, MBU."""
     import jax
     from jaxbatch import gpu_e2e
+    from jaxbatch.kv_cache import bytes_per_block
+    from jaxbatch.model.quantize import quantize_params
     models = args.gpu_models or (["tiny"] if args.dry_run else ["1B", "8B"])
     copy_bytes = (8 << 20) if args.dry_run else (1 << 30)
     copy_bps = gpu_e2e.copy_bandwidth(copy_bytes)
     out = {"copy_GBps": copy_bps / 1e9, "device": str(jax.devices()[0].device_kind), "models": {}}
     for name in models:
         loaded = gpu_e2e.random_model(name, "bfloat16", args.seed)
+        if args.quantization:               # quantized here so the MBU counts int8 bytes
+            loaded.params = quantize_params(loaded.params)
         cfg = loaded.config
         prompts = synthetic_prompt_ids(entries, cfg.vocab_size, args.seed)
         requests = offline_requests(prompts, [e["kind"] for e in entries], args.num_requests,
@@ -531,7 +535,7 @@ def bench_gpu(args, entries) -> dict:
         weight_bytes = gpu_e2e.param_bytes(loaded.params)
         if not cfg.tie_word_embeddings:     # an untied embedding table is only gathered
             weight_bytes -= loaded.params["embed"].nbytes
-        kv_token_bytes = gpu_e2e.kv_bytes_per_token(cfg, jax.tree.leaves(loaded.params)[0].dtype)
+        kv_token_bytes = bytes_per_block(cfg, 1, loaded.params["embed"].dtype, args.kv_cache_dtype)
         model_len = pow2_model_len(requests)
         result = {"weight_bytes_read_per_step": weight_bytes, "max_model_len": model_len,
                   "ideal": ideal_ratio([r.output_len for r in requests], args.max_num_seqs),
@@ -781,6 +785,10 @@ def parse_args(argv=None):
     ap.add_argument("--xla-cache", default=None,
                     help="persistent XLA compilation cache dir ('' disables; default "
                          "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                    help="jaxbatch engines: int8 KV cache (scales per token and KV head)")
+    ap.add_argument("--quantization", choices=("int8",), default=None,
+                    help="jaxbatch engines: int8 weight-only layer matrices")
     ap.add_argument("--out", default="bench_out")
     from bench_prefix import add_arguments as add_prefix_arguments
     add_prefix_arguments(ap)
@@ -800,6 +808,7 @@ def parse_args(argv=None):
         args.max_prompt_len = args.max_prompt_len or 40
         args.lengths = (8, args.output_sigma, 2, 24)
         args.engine_kwargs = {"attention_backend": "pallas_interpret"}
+    args.engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     args.max_num_seqs = args.max_num_seqs or (64 if gpu else 16)
     args.num_requests = args.num_requests or (4 * args.max_num_seqs if gpu else 32)
     return args

@@ -32,7 +32,7 @@ VENV_JAX011 = os.path.join(ROOT, ".venv-jax011")
 PY_JAX011 = os.path.join(VENV_JAX011, "Scripts" if os.name == "nt" else "bin", "python")
 JAX011 = ("jax==0.11.2", "jaxlib==0.11.2", "pytest")
 JAX011_TESTS = ("tests/test_kernels.py", "tests/test_lowering.py", "tests/test_xla_attention.py",
-                "tests/test_attention_backend.py",
+                "tests/test_attention_backend.py", "tests/test_int8_attention.py",
                 # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain
                 # Python and run in the main leg)
                 "tests/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")

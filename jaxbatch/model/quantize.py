@@ -1,0 +1,79 @@
+"""int8 weight-only quantization (`quantization="int8"`).
+
+Symmetric, one float32 scale per output channel, computed at load time from the full-precision
+checkpoint (no calibration data). A quantized matrix [in, out] (or stacked [L, in, out]) becomes
+{"int8": int8 [.., in, out], "scale": float32 [.., out]}.
+
+What is quantized: the seven matrices of every decoder layer (wq, wk, wv, wo, w_gate, w_up,
+w_down), which hold ~80 % of SmolLM2-135M's weights and all of a large model's. What stays in
+full precision: the token embedding and the LM head (tied to it in SmolLM2; one [V, d] matrix
+that the error of every logit would pass through), the RMSNorm weights and the biases (vectors,
+negligible bytes).
+
+The matmul converts the int8 weight to the activation's dtype, accumulates in float32 and applies
+the scale to the [tokens, out] result, not to the weight: XLA:GPU fuses the convert into the
+GEMM's operand load, so the weight crosses memory as int8. XLA:CPU does not fuse it and
+materialises the converted weight every step, which makes int8 weights slower there (measured
+in docs/BENCHMARKS.md); the feature is for accelerators, where decode is bandwidth-bound.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.int8 import quantize_int8
+
+QUANTIZATIONS = (None, "int8")
+QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def check_quantization(quantization) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}; choose None or 'int8' "
+                         "(int8 weight-only, one scale per output channel)")
+
+
+def is_quantized(weight) -> bool:
+    return isinstance(weight, dict) and "int8" in weight
+
+
+def quantize_matrix(weight) -> dict:
+    """[.., in, out] float -> {"int8": [.., in, out] int8, "scale": [.., out] float32}."""
+    values, scale = quantize_int8(weight, axis=-2)
+    return {"int8": values, "scale": scale}
+
+
+def dequantize_matrix(weight: dict, dtype=jnp.float32):
+    return (weight["int8"].astype(jnp.float32) * weight["scale"][..., None, :]).astype(dtype)
+
+
+def _quantize_entry(weight):
+    if isinstance(weight, tuple):                   # per-layer layout: one matrix per layer
+        return tuple(_quantize_entry(w) for w in weight)
+    return weight if is_quantized(weight) else quantize_matrix(weight)
+
+
+def quantize_params(params: dict) -> dict:
+    """A new params dict with the layer matrices int8 (idempotent: quantized ones are kept).
+    Accepts the loader's list of per-layer dicts and the stacked layers dict alike; numpy
+    arrays stay numpy (host-side quantization before the device copy)."""
+    layers = params["layers"]
+    if isinstance(layers, list):
+        layers = [{name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
+                   for name, w in layer.items()} for layer in layers]
+    else:
+        layers = {name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
+                  for name, w in layers.items()}
+    return {**params, "layers": layers}
+
+
+def params_are_quantized(params: dict) -> bool:
+    layers = params["layers"]
+    layer = layers[0] if isinstance(layers, list) else layers
+    weight = layer["wq"]
+    return is_quantized(weight[0] if isinstance(weight, tuple) else weight)
+
+
+def int8_matmul(x, weight: dict):
+    """x [T, in] @ int8 weight -> [T, out] in x's dtype; the scale is applied after the dot."""
+    y = jnp.dot(x, weight["int8"].astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * weight["scale"]).astype(x.dtype)

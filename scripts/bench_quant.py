@@ -1,0 +1,191 @@
+"""Capacity and throughput of the int8 options on one KV memory budget (the embedded model).
+
+    python scripts/bench_quant.py [--context 256] [--base-seqs 8] [--requests 32] [--out DIR]
+
+Capacity: the budget is what --base-seqs sequences of --context tokens need in a float32 cache
+(the CPU's model dtype); at that `kv_cache_memory_bytes`, the blocks a float32, bfloat16 and
+int8 cache get (scales counted), and the largest max_num_seqs whose full context fits.
+Throughput: the same requests (random token prompts of context/2 tokens, greedy outputs of
+uniformly drawn lengths in [context/8, context/2 - 1], ignore_eos; mixed lengths keep the slots
+of continuous batching busy, so no run ends on a near-empty round) through
+  f32 KV        at the float32 cache's largest batch       (the baseline)
+  int8 KV       at the int8 cache's largest batch          (same memory, more sequences)
+  int8 weights  f32 KV, baseline batch                     (int8 weights alone)
+  int8 both     int8 KV + int8 weights, int8 cache's batch
+each warmed up on every bucket first; output tokens/s over the whole run and the median
+decode-only step time.
+Decode step A/B: one decode step of --ab-rows rows at full context, float32 vs int8 weights
+(same float32 KV cache, xla attention), the two jitted steps timed alternately so that the
+load of other jobs on this machine hits both alike; median of --ab-reps.
+Writes bench_quant.json, prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxbatch import SamplingParams, attention  # noqa: E402
+from jaxbatch.engine import LLMEngine  # noqa: E402
+from jaxbatch.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block  # noqa: E402
+from jaxbatch.model import llama  # noqa: E402
+from jaxbatch.model.loader import load_model  # noqa: E402
+from jaxbatch.model.quantize import quantize_params  # noqa: E402
+from jaxbatch.model.rope import inverse_frequencies  # noqa: E402
+from pallas_kernels.xla_paged_attention import decode_work_items, num_decode_items  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def capacity(cfg, budget, context):
+    pages = -(-context // BLOCK_SIZE)
+    rows = {}
+    for name, dtype, kv in (("float32", jnp.float32, "auto"), ("bfloat16", jnp.bfloat16, "auto"),
+                            ("int8", jnp.float32, "int8")):
+        blocks = blocks_for_budget(cfg, BLOCK_SIZE, dtype, budget, kv)
+        rows[name] = {"bytes_per_block": bytes_per_block(cfg, BLOCK_SIZE, dtype, kv),
+                      "blocks": blocks, "tokens": (blocks - 1) * BLOCK_SIZE,
+                      "max_num_seqs": (blocks - 1) // pages}
+    return rows
+
+
+def run(loaded, requests, slots, context, budget, **kw):
+    engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=context,
+                       kv_cache_memory_bytes=budget, **kw)          # warms up every bucket
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    first_step = len(engine.step_log)
+    start = time.monotonic()
+    for i, (prompt, _) in enumerate(requests):
+        engine.add_request(str(i), prompt, params[i])
+    outputs = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs += len(out.outputs[0].token_ids)
+    seconds = time.monotonic() - start
+    log = engine.step_log[first_step:]
+    times = np.diff([start] + [s[0] for s in log])
+    decode = [dt for dt, s in zip(times, log) if s[3] == s[1] == slots]     # all slots decoding
+    stats = engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0
+    return {"max_num_seqs": slots, "num_total_blocks": stats["num_total_blocks"],
+            "kv_cache_dtype": stats["kv_cache_dtype"], "quantization": stats["quantization"],
+            "seconds": seconds, "output_tokens": outputs, "output_tokens_per_s": outputs / seconds,
+            "full_batch_decode_steps": len(decode),
+            "decode_step_ms_median": 1e3 * float(np.median(decode)) if decode else None,
+            "warmup_s": engine.warmup_seconds}
+
+
+def decode_step_ab(params_by_name, cfg, rows, context, reps):
+    """Median seconds of one decode step (forward + logits) per params variant, interleaved."""
+    pages = context // BLOCK_SIZE
+    pool = allocate_pool(cfg, rows * pages + 1, BLOCK_SIZE, jnp.float32)
+    tables = np.arange(1, rows * pages + 1, dtype=np.int32).reshape(rows, pages)
+    lengths = np.full(rows, context, np.int32)
+    items = decode_work_items([(i, list(tables[i]), context) for i in range(rows)], rows,
+                              BLOCK_SIZE, num_decode_items(lengths, BLOCK_SIZE))
+    meta = tuple(jnp.asarray(a) for a in items) + (jnp.asarray(lengths),)
+    attend = attention.decode_attend("xla", meta, cfg.head_dim ** -0.5)
+    tokens = jnp.ones(rows, jnp.int32)
+    positions = jnp.full(rows, context - 1, jnp.int32)
+    slots = jnp.asarray(tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1)
+    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+
+    @jax.jit
+    def step(params, pool):
+        hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend,
+                                            inv_freq)
+        return llama.compute_logits(params, hidden), pool
+
+    times = {name: [] for name in params_by_name}
+    for name, params in params_by_name.items():
+        jax.block_until_ready(step(params, pool))                 # compile
+    for _ in range(reps):
+        for name, params in params_by_name.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(params, pool))
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=256, help="max_model_len, tokens per sequence")
+    ap.add_argument("--base-seqs", type=int, default=8,
+                    help="the budget is what this many full float32 sequences need")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--ab-rows", type=int, default=16)
+    ap.add_argument("--ab-reps", type=int, default=15)
+    ap.add_argument("--variants", nargs="+", default=["f32_kv", "int8_kv", "int8_weights",
+                                                      "int8_both"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_quant_out")
+    args = ap.parse_args(argv)
+    loaded = load_model(None, "float32")
+    cfg = loaded.config
+    pages = -(-args.context // BLOCK_SIZE)
+    budget = (args.base_seqs * pages + 1) * bytes_per_block(cfg, BLOCK_SIZE, jnp.float32)
+    cap = capacity(cfg, budget, args.context)
+    rng = np.random.default_rng(args.seed)
+    half = args.context // 2
+    requests = [(rng.integers(3, cfg.vocab_size, half).tolist(),
+                 int(rng.integers(args.context // 8, half))) for _ in range(args.requests)]
+    big, base = cap["int8"]["max_num_seqs"], cap["float32"]["max_num_seqs"]
+    variants = {"f32_kv": (base, {}), "int8_kv": (big, dict(kv_cache_dtype="int8")),
+                "int8_weights": (base, dict(quantization="int8")),
+                "int8_both": (big, dict(kv_cache_dtype="int8", quantization="int8"))}
+    report = {"machine": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                          "platform": platform.platform(), "jax": jax.__version__,
+                          "backend": jax.default_backend(), "loadavg_start": os.getloadavg()},
+              "args": vars(args), "budget_bytes": budget, "capacity": cap, "runs": {}}
+    for name in args.variants:
+        slots, kw = variants[name]
+        print(f"[bench_quant] {name}: {slots} slots", flush=True)
+        report["runs"][name] = run(loaded, requests, slots, args.context, budget, **kw)
+    print("[bench_quant] decode step A/B", flush=True)
+    report["decode_step_ms"] = decode_step_ab(
+        {"float32": loaded.params, "int8": quantize_params(loaded.params)}, cfg, args.ab_rows,
+        args.context, args.ab_reps)
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_quant.json").write_text(json.dumps(report, indent=1))
+    print(markdown(report))
+    return report
+
+
+def markdown(report) -> str:
+    lines = [f"KV budget {report['budget_bytes'] / 2**20:.1f} MiB, context "
+             f"{report['args']['context']} tokens\n",
+             "| KV cache | bytes/block | blocks | tokens | max_num_seqs at context |",
+             "|---|---|---|---|---|"]
+    for name, c in report["capacity"].items():
+        lines.append(f"| {name} | {c['bytes_per_block']} | {c['blocks']} | {c['tokens']} | "
+                     f"{c['max_num_seqs']} |")
+    lines += ["", "| variant | slots | output tok/s | full-batch decode step ms | wall s |",
+              "|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        step = r["decode_step_ms_median"]
+        lines.append(f"| {name} | {r['max_num_seqs']} | {r['output_tokens_per_s']:.1f} | "
+                     f"{'n/a' if step is None else f'{step:.1f}'} | {r['seconds']:.1f} |")
+    ab = report.get("decode_step_ms")
+    if ab:
+        lines.append(f"\nDecode step, {report['args']['ab_rows']} rows at context "
+                     f"{report['args']['context']}, median of {report['args']['ab_reps']} "
+                     f"interleaved: " + ", ".join(f"{k} weights {v:.1f} ms" for k, v in ab.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
