@@ -274,6 +274,12 @@ class LLMEngine:
                 self._seqs.pop(seq.seq_id, None)
             self._pending_outputs.append(state.make_output())
 
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Prompt tokens this engine's prefix cache holds for such a request now."""
+        if params.prompt_logprobs is not None:
+            return 0
+        return self.scheduler.cached_prefix_tokens(prompt_token_ids, params.cache_salt)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks in use stay with their sequences)."""
         self.scheduler.reset_prefix_cache()

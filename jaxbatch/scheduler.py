@@ -125,7 +125,7 @@ class Scheduler:
         root = root_key(self.cache_namespace, seq.params.cache_salt)
         return extend_keys(seq.block_keys, root, token_ids, self.config.block_size, num_blocks)
 
-    def _cacheable_prefix(self, seq: Sequence, num_tokens: int) -> int:
+    def _cacheable_prefix(self, seq: Sequence | None, num_tokens: int) -> int:
         """The longest hit allowed for a sequence of `num_tokens`: on its own chunk boundaries
         and short of its last token, whose logits are needed."""
         g = self.config.prefix_hit_granularity
@@ -145,6 +145,18 @@ class Scheduler:
         root = root_key(self.cache_namespace, seq.params.cache_salt)
         hits = self.blocks.cached_prefix(keys, tokens, root)
         return hits[:len(hits) // per_hit * per_hit]
+
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens a new request with this prompt would find in the cache now (a router's
+        question: data-parallel replicas send a request where its prefix is). Changes nothing."""
+        if self.blocks.prefix_index is None:
+            return 0
+        bs, g = self.config.block_size, self.config.prefix_hit_granularity
+        limit = self._cacheable_prefix(None, len(token_ids))
+        root = root_key(self.cache_namespace, cache_salt)
+        keys = extend_keys([], root, token_ids, bs, limit // bs)
+        hits = self.blocks.cached_prefix(keys, token_ids[:limit], root)
+        return len(hits) * bs // g * g
 
     def _start_from_cache(self, seq: Sequence, hits: list[int]) -> None:
         hit_tokens = len(hits) * self.config.block_size

@@ -70,6 +70,34 @@ def test_routing_follows_outstanding_tokens_not_request_counts(replicas):
     assert engine.outstanding_work() == [0, 0]
 
 
+def test_a_prompt_goes_where_its_prefix_is_cached(replicas):
+    """Replica 0 served a 70-token prompt (2 chunks of 32 cached). With a short request
+    queued there, the same prompt still goes to replica 0: the 64 cached tokens outweigh it."""
+    engine = replicas
+    engine.reset_prefix_cache()
+    prompt = list(range(3, 73))
+    sp = SamplingParams(temperature=0, max_tokens=2)
+
+    def drain():
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return done
+    engine.add_request("first", prompt, sp)
+    assert engine._routed["first"].replica == 0
+    drain()
+    engine.add_request("busy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request("again", prompt, sp)
+    assert [engine._routed[r].replica for r in ("busy", "again")] == [0, 0]
+    assert drain()["again"].num_cached_tokens == 64
+    engine.add_request("salted", prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                        cache_salt="other"))
+    assert engine._routed["salted"].replica == 0          # no hit anywhere: least loaded
+    drain()
+
+
 def test_async_server_front_over_replicas(single_outputs, replicas):
     """The server's AsyncLLM drives the replicas as it drives one engine."""
     from jaxbatch.server.async_engine import AsyncLLM

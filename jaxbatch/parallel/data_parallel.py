@@ -5,9 +5,9 @@ device and traffic that does not.
 Routing: a request goes to the replica with the least outstanding work, counted in tokens
 still to compute (prompt tokens not yet prefilled + tokens still to generate, at most
 max_tokens per completion), not in requests: one long prompt weighs as much as many short
-ones. Ties go to the lowest index, so routing is deterministic. (Prefix affinity, i.e. sending
-a request to the replica that holds its prefix, is not built yet: each replica keeps its own
-prefix cache.)
+ones. Prefix affinity: the prompt tokens a replica's prefix cache already holds for the request
+are work it will not do there, so they count against that replica's load. Ties go to the lowest
+index, so routing is deterministic.
 
 Stepping: one `step()` steps every replica that has work, each in its own thread: the Python
 of a step holds the GIL, but the device work and the wait for its results release it, so the
@@ -64,10 +64,12 @@ class DataParallelEngine:
     def add_request(self, request_id, prompt, params=None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         _, ids, params = self.validate_request(request_id, prompt, params, priority)
-        work = self.outstanding_work()
-        target = work.index(min(work))
+        cached = [r.cached_prefix_tokens(ids, params) for r in self.replicas]
+        cost = [w - c for w, c in zip(self.outstanding_work(), cached)]
+        target = cost.index(min(cost))
         self.replicas[target].add_request(request_id, prompt, params, priority, arrival_time)
-        self._routed[str(request_id)] = _Routed(target, len(ids), params.n * params.max_tokens)
+        self._routed[str(request_id)] = _Routed(target, len(ids) - cached[target],
+                                                params.n * params.max_tokens)
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
