@@ -208,17 +208,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args(argv)
+    report = run_on_embedded_model(bench_prefix, ap.parse_args(argv), "bench_prefix.json")
+    print(markdown(report))
+    print(f"multi_turn outputs equal on/off: {report['multi_turn']['outputs_equal']}")
+    return report
+
+
+def run_on_embedded_model(bench, args, json_name: str) -> dict:
+    """`bench(loaded, args)` on the embedded model (float32), timed, written to args.out."""
     from jaxbatch.model.loader import load_model
     start = time.perf_counter()
     report = {"machine": machine_info(), "command": " ".join(sys.argv)}
-    report.update(bench_prefix(load_model(dtype="float32"), args))
+    report.update(bench(load_model(dtype="float32"), args))
     report["bench_seconds"] = time.perf_counter() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_prefix.json").write_text(json.dumps(report, indent=1, default=to_json))
-    print(markdown(report))
-    print(f"multi_turn outputs equal on/off: {report['multi_turn']['outputs_equal']}")
+    (out / json_name).write_text(json.dumps(report, indent=1, default=to_json))
     return report
 
 

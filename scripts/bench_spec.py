@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from bench import DEFAULT_PROMPTS, lognormal_lengths, load_prompts, machine_info, stats_ms, to_json
-from bench_prefix import SYSTEM_PROMPT, chat_ids
+from bench import DEFAULT_PROMPTS, lognormal_lengths, load_prompts, stats_ms
+from bench_prefix import SYSTEM_PROMPT, chat_ids, run_on_embedded_model
 
 TYPOS = [("the ", "teh "), ("and ", "adn "), ("with ", "wiht "), ("for ", "fro ")]
 
@@ -169,16 +169,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args(argv)
-    from jaxbatch.model.loader import load_model
-    start = time.perf_counter()
-    report = {"machine": machine_info(), "command": " ".join(sys.argv)}
-    report.update(bench_spec(load_model(dtype="float32"), args))
-    report["bench_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_spec.json").write_text(json.dumps(report, indent=1, default=to_json))
-    print(markdown(report))
+    print(markdown(run_on_embedded_model(bench_spec, ap.parse_args(argv), "bench_spec.json")))
 
 
 if __name__ == "__main__":
