@@ -125,38 +125,39 @@ class Scheduler:
         root = root_key(self.cache_namespace, seq.params.cache_salt)
         return extend_keys(seq.block_keys, root, token_ids, self.config.block_size, num_blocks)
 
-    def _cacheable_prefix(self, seq: Sequence | None, num_tokens: int) -> int:
+    def _cacheable_prefix(self, num_tokens: int) -> int:
         """The longest hit allowed for a sequence of `num_tokens`: on its own chunk boundaries
         and short of its last token, whose logits are needed."""
         g = self.config.prefix_hit_granularity
         return (num_tokens - 1) // g * g
+
+    def _cached_run(self, token_ids: list[int], cache_salt: str | None,
+                    keys: list[bytes]) -> list[int]:
+        """The cached blocks a sequence of these tokens may start from: the longest cached run,
+        cut to the allowed prefix in whole chunks. `keys` memoises the block keys (extended)."""
+        bs, g = self.config.block_size, self.config.prefix_hit_granularity
+        limit = self._cacheable_prefix(len(token_ids))
+        if limit == 0:
+            return []
+        root = root_key(self.cache_namespace, cache_salt)
+        extend_keys(keys, root, token_ids, bs, limit // bs)
+        hits = self.blocks.cached_prefix(keys[:limit // bs], token_ids[:limit], root)
+        return hits[:len(hits) // (g // bs) * (g // bs)]
 
     def _prefix_hit(self, seq: Sequence) -> list[int]:
         """Cached blocks this sequence may start from. Requests for prompt logprobs compute
         their whole prompt (a hit has no logits)."""
         if self.blocks.prefix_index is None or seq.params.prompt_logprobs is not None:
             return []
-        limit = self._cacheable_prefix(seq, seq.num_tokens)
-        if limit == 0:
-            return []
-        bs, per_hit = self.config.block_size, self.config.prefix_hit_granularity // self.config.block_size
-        tokens = seq.tokens(0, limit)
-        keys = self._keys(seq, limit // bs, tokens)[:limit // bs]
-        root = root_key(self.cache_namespace, seq.params.cache_salt)
-        hits = self.blocks.cached_prefix(keys, tokens, root)
-        return hits[:len(hits) // per_hit * per_hit]
+        return self._cached_run(seq.prompt_token_ids + seq.output_token_ids,
+                                seq.params.cache_salt, seq.block_keys)
 
     def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Tokens a new request with this prompt would find in the cache now (a router's
         question: data-parallel replicas send a request where its prefix is). Changes nothing."""
         if self.blocks.prefix_index is None:
             return 0
-        bs, g = self.config.block_size, self.config.prefix_hit_granularity
-        limit = self._cacheable_prefix(None, len(token_ids))
-        root = root_key(self.cache_namespace, cache_salt)
-        keys = extend_keys([], root, token_ids, bs, limit // bs)
-        hits = self.blocks.cached_prefix(keys, token_ids[:limit], root)
-        return len(hits) * bs // g * g
+        return len(self._cached_run(list(token_ids), cache_salt, [])) * self.config.block_size
 
     def _start_from_cache(self, seq: Sequence, hits: list[int]) -> None:
         hit_tokens = len(hits) * self.config.block_size
@@ -175,7 +176,7 @@ class Scheduler:
         if (self.blocks.prefix_index is None or seq.index == 0 or self.config.batching == "static"
                 or seq.params.prompt_logprobs is not None):
             return False
-        limit = self._cacheable_prefix(seq, seq.num_prompt_tokens)
+        limit = self._cacheable_prefix(seq.num_prompt_tokens)
         return limit > 0 and any(s.request_id == seq.request_id and s.index < seq.index
                                  and s.num_computed_tokens < limit for s in self.running)
 

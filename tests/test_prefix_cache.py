@@ -372,3 +372,22 @@ def test_parked_hits_are_not_charged_twice_at_admission():
     assert a.num_cached_tokens == 16 and b.num_cached_tokens == 16
     assert not sim.sched.waiting
     sim.run()
+
+
+def test_a_run_cut_by_eviction_is_used_only_in_whole_chunks():
+    """Chunk 8, blocks of 4: a 17-token prompt caches 4 blocks (2 chunks). Evicting its tail
+    block leaves 3 cached blocks, of which only the first chunk (2 blocks) may be used: a hit
+    ending mid-chunk would compute the rest of that chunk differently from a cold run."""
+    sim = cached_sim(num_blocks=10, max_model_len=36)
+    sim.add(prompt=BASE[:17], max_tokens=1)
+    sim.run()
+    blocks = sim.sched.blocks
+    assert blocks.prefix_index.num_evictable == 4
+    blocks.ensure_capacity(999, 4 * (len(blocks._free) + 1))   # every free block + 1 parked
+    assert blocks.prefix_index.num_evictable == 3
+    blocks.free(999)
+    assert sim.sched.cached_prefix_tokens(BASE[:17]) == 8
+    again = sim.add(prompt=BASE[:17], max_tokens=1)
+    sim.step()
+    assert again.num_cached_tokens == 8
+    sim.run()
