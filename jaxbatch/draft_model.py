@@ -35,7 +35,7 @@ class DraftModelProposer:
             loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=warmup,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
-            enable_prefix_caching=True)
+            enable_prefix_caching=True, async_scheduling=False)   # proposals wanted now
         self._ids = itertools.count()
 
     def propose_batch(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
