@@ -447,7 +447,8 @@ class LaunchedServer:
 
 def offline_worker(spec_path: str) -> None:
     """Runs in a subprocess: jaxbatch LLM.generate on the workload, chat template applied,
-    greedy, ignore_eos; an untimed pass first (compiles), then the timed pass."""
+    greedy, ignore_eos; an untimed pass first (compiles), then the timed pass. The prefix cache
+    is reset before every pass: a pass must not find the previous pass's prompts cached."""
     spec = json.loads(Path(spec_path).read_text())
     from jaxbatch import LLM, SamplingParams
     from bench import encode_prompts
@@ -458,6 +459,7 @@ def offline_worker(spec_path: str) -> None:
               for n in spec["max_tokens"]]
     result = {"llm_kwargs": spec["llm_kwargs"], "passes": []}
     for _ in range(1 + spec["timed_passes"]):
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -1,0 +1,89 @@
+"""jaxbatch against vLLM's CPU build, offline `LLM.generate`, side by side in one run: the same 48
+chat requests (bench_serve.py's workload: bundled prompts, chat template, output lengths
+lognormal(32, 1) in [8, 256]), 16 slots, float32, greedy, ignore_eos; each engine in its own
+process, one untimed pass then --passes timed ones; the engines alternate --rounds times, so a
+slow moment of this shared machine hits both alike. Prefix caching is set alike on both sides:
+`off`, or `on` with the cache reset before every pass (the workload repeats prompts, so a pass
+would otherwise find the previous pass's prompts cached: a measure of the cache, not the engine).
+
+    python scripts/bench_vs_vllm.py [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
+
+Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
+(scripts/export_safetensors.py). vLLM's CPU backend by default computes on one core and keeps
+the other for its front end; --omp-bind 0-1 gives it both (jaxbatch's XLA uses every core).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_jaxbatch(args, caching: str, out_dir: Path) -> float:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_serve import make_workload
+    workload = make_workload(48)
+    spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048, "dtype": "float32",
+                           "enable_prefix_caching": caching == "on",
+                           "async_scheduling": not args.no_async_scheduling},
+            "texts": [r.text for r in workload], "max_tokens": [r.max_tokens for r in workload],
+            "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{caching}.json")}
+    spec_path = out_dir / f"jaxbatch_spec_{caching}.json"
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run([sys.executable, str(REPO / "scripts/bench_serve.py"), "--offline-worker",
+                    str(spec_path)], check=True, cwd=REPO)
+    return json.loads(Path(spec["out"]).read_text())["output_tokens_per_s"]
+
+
+def run_vllm(args, caching: str, out_dir: Path) -> float:
+    out = out_dir / f"vllm_{caching}.json"
+    cmd = [str(REPO / ".venv-vllm/bin/python"), str(REPO / "scripts/bench_vllm_offline.py"),
+           "--model", args.vllm_model, "--passes", str(args.passes), "--out", str(out),
+           "--enable-prefix-caching" if caching == "on" else "--no-enable-prefix-caching"]
+    if args.omp_bind:
+        cmd += ["--omp-bind", args.omp_bind, "--reserved-cpus", "0"]
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["output_tokens_per_s"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefix-caching", nargs="+", choices=("off", "on"), default=["off", "on"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--vllm-model", default=str(REPO / "hf_export/SmolLM2-135M-Instruct"))
+    ap.add_argument("--omp-bind", default=None)
+    ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--out", default="bench_out/vs_vllm")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"argv": sys.argv, "results": {}}
+    for caching in args.prefix_caching:
+        runs = {"jaxbatch": [], "vllm": []}
+        for r in range(args.rounds):
+            order = ("jaxbatch", "vllm") if r % 2 == 0 else ("vllm", "jaxbatch")
+            for engine in order:
+                run = run_jaxbatch if engine == "jaxbatch" else run_vllm
+                runs[engine].append(run(args, caching, out_dir))
+                print(f"prefix caching {caching}, round {r}: {engine} "
+                      f"{runs[engine][-1]:.1f} out tok/s", flush=True)
+        med = {e: statistics.median(v) for e, v in runs.items()}
+        report["results"][caching] = {"runs": runs, "median": med,
+                                      "ratio": med["jaxbatch"] / med["vllm"]}
+    (out_dir / "vs_vllm.json").write_text(json.dumps(report, indent=1))
+    print("| prefix caching | jaxbatch out tok/s | vLLM out tok/s | jaxbatch / vLLM |")
+    print("|---|---|---|---|")
+    for caching, r in report["results"].items():
+        print(f"| {caching} | {r['median']['jaxbatch']:.1f} | {r['median']['vllm']:.1f} "
+              f"| {r['ratio']:.2f} |")
+    return report
+
+
+if __name__ == "__main__":
+    main()
