@@ -24,7 +24,7 @@ from jaxbatch.plan import (DecodeEntry, PrefillChunk, SampledToken, SamplingRow,
 from jaxbatch.policies import policy_key
 from jaxbatch.prefix_cache import extend_keys, root_key
 from jaxbatch.request import Sequence, SequenceStatus
-from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
+from jaxbatch.speculative import SpecCounters, SpeculativeConfig, draft_probs, make_proposer
 
 
 MAX_SPEC_BACKOFF = 16
@@ -269,11 +269,12 @@ class Scheduler:
                 sampling[seq.seq_id] = self._sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= chunk
-        draft_sampling = self._speculate(decodes, budget) if self.proposer else {}
+        draft_sampling = self._speculate(decodes, budget, sampling) if self.proposer else {}
         return StepPlan(self.step_count, prefills, decodes, sampling, draft_sampling)
 
     # ---- speculative decoding ------------------------------------------------------------
-    def _speculate(self, decodes: list[DecodeEntry], budget: int) -> dict[int, list[SamplingRow]]:
+    def _speculate(self, decodes: list[DecodeEntry], budget: int,
+                   sampling: dict[int, SamplingRow]) -> dict[int, list[SamplingRow]]:
         """Proposals for small decode batches, from what is left after everything else: the
         token budget, rows of the largest decode bucket, free blocks (never a preemption)."""
         spec = self.speculative
@@ -295,10 +296,13 @@ class Scheduler:
             wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
             budget -= k
             rows_left -= k
-        proposals = self.proposer.propose_batch(wanted) if wanted else {}
+        # The sequences' sampling rows: a sampled draft draws with their settings.
+        proposals = (self.proposer.propose_batch(wanted, {sid: sampling[sid] for sid in wanted})
+                     if wanted else {})
         draft_sampling = {}
         for entry in decodes:
-            seq, proposal = by_id[entry.seq_id], list(proposals.get(entry.seq_id, ()))
+            seq, raw = by_id[entry.seq_id], proposals.get(entry.seq_id, ())
+            proposal = list(raw)
             while proposal and not self.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
                 proposal.pop()
             if not proposal:
@@ -306,6 +310,7 @@ class Scheduler:
             self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens + len(proposal))
             entry.block_table = list(self.blocks.block_table(seq.seq_id))
             entry.draft_token_ids = proposal
+            entry.draft_probs = draft_probs(raw, len(proposal))
             draft_sampling[seq.seq_id] = [self._sampling_row(seq, proposal[:i])
                                           for i in range(1, len(proposal) + 1)]
         return draft_sampling
