@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of prompt prefixes already computed (on by default)")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan each step while the previous one runs on the device (on by "
+                        "default; outputs are the same without it)")
     s.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 3}\' or \'{"method": "draft_model", '
@@ -96,7 +99,7 @@ def engine_kwargs(args) -> dict:
                 prefill_chunk_size=args.prefill_chunk_size,
                 attention_backend=args.attention_backend, warmup=not args.no_warmup,
                 enable_prefix_caching=args.enable_prefix_caching,
-                speculative_config=args.speculative_config,
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, num_processes=args.num_processes,
                 process_id=args.process_id, coordinator_address=args.coordinator_address,

@@ -45,7 +45,7 @@ class DraftModelProposer:
             loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=False,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
-            enable_prefix_caching=True)
+            enable_prefix_caching=True, async_scheduling=False)   # proposals wanted now
         self.sampled = draft_sampling == "sampled"
         if self.sampled:
             self.engine.runner.keep_sampling_probs()   # before warm-up compiles "sample"

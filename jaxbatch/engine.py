@@ -57,7 +57,8 @@ class LLMEngine:
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
                  compilation_cache: bool = True, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, enable_prefix_caching: bool = True,
-                 speculative_config: dict | None = None, tensor_parallel_size: int = 1,
+                 speculative_config: dict | None = None, async_scheduling: bool = True,
+                 tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, num_processes: int = 1, process_id: int = 0,
                  coordinator_address: str | None = None, devices=None,
                  loaded: LoadedModel | None = None, runner: ModelRunner | None = None):
@@ -69,6 +70,8 @@ class LLMEngine:
         ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
         verifies proposed tokens in the decode step; the tokens are the same without it
         (with a draft model's "draft_sampling": "sampled", their distribution is).
+        `async_scheduling` overlaps host and device: each step is planned while the previous
+        one runs, its sampled tokens staying on device (outputs unchanged, one step later).
         `warmup` compiles every shape the scheduler can produce before the first request, so
         nothing compiles while serving; `compilation_cache` keeps the executables on disk.
         `tensor_parallel_size` splits the model over that many of `devices` (default: jax's
@@ -169,6 +172,11 @@ class LLMEngine:
         self._next_seq_id = 0
         self._pending_outputs: list[RequestOutput] = []
         self.num_steps = 0
+        # Host/device overlap: the step on the device while the host plans the next one.
+        self.async_scheduling = bool(async_scheduling)
+        self._in_flight = None
+        self.device_wait_seconds = 0.0     # time the host spent waiting for step results
+        self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
         self.step_log: list[tuple[float, int, int, int]] = []
         self.warmup_seconds = 0.0
@@ -300,27 +308,53 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. With `async_scheduling` (host/device overlap) the step planned
+        here is dispatched and left running while the host reads and applies the previous
+        step's tokens, so outputs come one step behind the device."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished():
-            return outputs
-        if self.runner.pool_owner is not self:
-            # Another engine sharing this runner wrote into the pool since this engine last
-            # stepped: its cached prefixes may be gone.
-            self.scheduler.reset_prefix_cache()
-            self.runner.pool_owner = self
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return outputs
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and self.scheduler.needs_tokens_to_plan(in_flight.plan, self._seqs):
+            outputs += self._finish_step(in_flight)
+            in_flight = None
+        dispatched = None
+        if self.scheduler.has_unfinished():
+            if self.runner.pool_owner is not self:
+                # Another engine sharing this runner wrote into the pool since this engine last
+                # stepped: its cached prefixes may be gone.
+                self.scheduler.reset_prefix_cache()
+                self.runner.pool_owner = self
+            plan = self.scheduler.schedule()
+            if not plan.empty:
+                dispatched = self._dispatch(plan)
+                self.num_overlapped_steps += in_flight is not None
+        if in_flight is not None:
+            outputs += self._finish_step(in_flight)
+        if dispatched is not None:
+            self.scheduler.on_dispatched(dispatched.plan, self._seqs)
+            if self.async_scheduling:
+                self._in_flight = dispatched
+            else:
+                outputs += self._finish_step(dispatched)
+        return outputs
+
+    def _dispatch(self, plan):
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
-        result = self.runner.execute(plan, next_tokens)
-        advanced = self.scheduler.update(plan, result, self._seqs)
+        dispatched = self.runner.dispatch(plan, next_tokens)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
                               blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
+        return dispatched
 
+    def _finish_step(self, dispatched) -> list[RequestOutput]:
+        """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""
+        start = time.perf_counter()
+        result = self.runner.collect(dispatched)
+        self.device_wait_seconds += time.perf_counter() - start
+        advanced = self.scheduler.update(dispatched.plan, result, self._seqs)
+        outputs = []
         touched: dict[str, RequestState] = {}
         for seq in advanced:
             state = self._requests[seq.request_id]
@@ -347,6 +381,9 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "num_compilations_after_warmup": len(self.runner.compilations_after_warmup),
             "num_steps": self.num_steps,
+            "async_scheduling": self.async_scheduling,
+            "device_wait_seconds": self.device_wait_seconds,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,

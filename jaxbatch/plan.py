@@ -5,6 +5,10 @@ import dataclasses
 
 import numpy as np
 
+# A sampled token the host has not read yet (host/device overlap): the scheduler plans the next
+# step with it in place, and the runner takes the real token from the device (by slot).
+PENDING_TOKEN = -1
+
 
 @dataclasses.dataclass
 class PrefillChunk:
@@ -15,12 +19,14 @@ class PrefillChunk:
     block_table: list[int]
     sample: bool                     # the chunk ends at the sequence's last token
     prompt_logprobs: int | None      # top-k wanted for prompt positions in this chunk
+    slot: int = -1                   # the sequence's slot: where its sampled token is kept
 
 
 @dataclasses.dataclass
 class DecodeEntry:
     """One token (at `position`) of the sequence in `slot`; with speculation, also the proposed
-    tokens that follow it (positions position + 1 ...), each verified in a row of its own."""
+    tokens that follow it (positions position + 1 ...), each verified in a row of its own.
+    `token_id` is PENDING_TOKEN when the previous step sampled it and it is still on device."""
     seq_id: int
     slot: int
     token_id: int
@@ -59,6 +65,7 @@ class StepPlan:
     sampling: dict[int, SamplingRow]  # seq_id -> row, for every sequence that samples
     # seq_id -> the sampling row of each proposed token's verification row
     draft_sampling: dict[int, list[SamplingRow]] = dataclasses.field(default_factory=dict)
+    dispatched: bool = False          # Scheduler.on_dispatched has run for it
 
     @property
     def num_tokens(self) -> int:

@@ -37,8 +37,11 @@ from jaxbatch.step_inputs import MAX_CHUNKS_PER_CALL, ModelCall, StepLayout
 logger = logging.getLogger(__name__)
 
 
-def _decode_forward(params, pool, tokens, positions, slot_mapping, attn_meta, *, cfg, backend,
-                    inv_freq, per_shard=llama.unsharded):
+def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slot_mapping,
+                    attn_meta, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
+    """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
+    `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
+    tokens = jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)   # [B]
     attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [B, d]
@@ -52,6 +55,14 @@ def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, s
                                         attend, inv_freq, per_shard)            # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
     return llama.compute_logits(params, last), hidden, pool                     # [S, V], [T, d]
+
+
+def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
+    """`sample_fn` (a jaxbatch.sampler function; `extra` its further inputs), and each row's
+    token kept under its slot ([S]; slot S = not kept) for the next step's decode call to
+    read on device."""
+    out = sample_fn(logits, sampling_arrays, *extra)
+    return out + (kept_tokens.at[token_slots].set(out[0], mode="drop"),)
 
 
 def _prompt_logprobs_step(params, hidden, targets):
@@ -95,10 +106,12 @@ class ModelRunner:
             #                           number of outputs: the pool, when donated, is the last)
             "decode": (functools.partial(_decode_forward, **common), 1, 2),
             "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
-            "sample": (sampler.sample, None, None),
-            "verify_sample": (sampler.sample_verified, None, None),
+            "sample": (functools.partial(_sample_and_keep, sampler.sample), None, None),
+            "verify_sample": (functools.partial(_sample_and_keep, sampler.sample_verified), None, None),
             "prompt_logprobs": (_prompt_logprobs_step, None, None),
         }
+        # Each slot's last sampled token, on device: threaded through every sample call.
+        self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
         self._executables: dict[tuple, object] = {}
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
@@ -137,7 +150,8 @@ class ModelRunner:
         if self._executables:
             raise RuntimeError("keep_sampling_probs() after compiling: the sample executables "
                                "would not return the probabilities")
-        self._functions["sample"] = (sampler.sample_with_probs, None, None)
+        self._functions["sample"] = (functools.partial(_sample_and_keep, sampler.sample_with_probs),
+                                     None, None)
         self.kept_probs = {}
 
     # ---- executables ---------------------------------------------------------------------
@@ -173,27 +187,33 @@ class ModelRunner:
         """Arguments of the right shapes for `key`, for lowering at warm-up."""
         kind = key[0]
         if kind in ("decode", "prefill"):
-            return (self.params, self.pool) + self.layout.placeholder_call(*key).args
+            return self._model_args(key, self.layout.placeholder_call(*key).args)
         vocab, n = self.model_cfg.vocab_size, key[1]
         if kind == "sample":
-            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n))
+            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
+                    self.kept_tokens, np.zeros(n, np.int32))
         if kind == "verify_sample":
             return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
+                    self.kept_tokens, np.zeros(n, np.int32),
                     jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, vocab), jnp.float32))
         # The embedding's dtype is the activations' (layer matrices may be int8).
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
+    def _model_args(self, key: tuple, call_args: tuple) -> tuple:
+        if key[0] == "decode":
+            return (self.params, self.pool, self.kept_tokens) + call_args
+        return (self.params, self.pool) + call_args
+
     # ---- one engine step -----------------------------------------------------------------
     def _dispatch(self, call: ModelCall):
         """Model call, then its sampling (and prompt logprobs): device arrays, nothing read."""
-        out = self._run(call.key, (self.params, self.pool) + call.args)
+        out = self._run(call.key, self._model_args(call.key, call.args))
         self.pool = out[-1]
         arrays = self._sampling_arrays(call.rows)
-        if call.verify is None:
-            sampled = self._run(("sample", len(call.rows)), (out[0], arrays))
-        else:
-            sampled = self._run(("verify_sample", len(call.rows)), (out[0], arrays) + call.verify)
+        kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
+        *sampled, self.kept_tokens = self._run(
+            (kind, len(call.rows)), (out[0], arrays, self.kept_tokens, call.token_slots) + verify)
         prompt_lp = None
         if call.want_prompt_logprobs:
             prompt_lp = self._run(("prompt_logprobs", call.key[1]),
@@ -204,6 +224,11 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, next_tokens: dict[int, int]) -> StepResult:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
+        return self.collect(self.dispatch(plan, next_tokens))
+
+    def dispatch(self, plan: StepPlan, next_tokens: dict[int, int]) -> "DispatchedStep":
+        """Lays out and dispatches every call of the step; returns at once (JAX runs them
+        asynchronously), so the host can plan the next step meanwhile."""
         start = time.perf_counter()
         calls = [self.layout.prefill_call(group, plan, next_tokens)
                  for group in self.layout.pack_prefills(plan.prefills)]
@@ -211,8 +236,14 @@ class ModelRunner:
             calls.append(self.layout.decode_call(plan))
         # Dispatch every call before reading anything back.
         pending = [(call, self._dispatch(call)) for call in calls]
+        return DispatchedStep(plan, next_tokens, pending, time.perf_counter() - start)
+
+    def collect(self, step: "DispatchedStep") -> StepResult:
+        """Waits for a dispatched step and reads its tokens (and logprobs) back."""
+        start = time.perf_counter()
+        plan, next_tokens = step.plan, step.next_tokens
         result = StepResult(sampled={}, prompt_logprobs={})
-        for call, (sampled, prompt_lp) in pending:
+        for call, (sampled, prompt_lp) in step.pending:
             tokens, logprob = np.asarray(sampled[0]), np.asarray(sampled[1])
             if self.kept_probs is not None:
                 self._keep_probs(call.rows, sampled[4])
@@ -236,7 +267,8 @@ class ModelRunner:
                 if chunk.prompt_logprobs is not None:
                     result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
                         chunk, q0, next_tokens.get(chunk.seq_id, -1), prompt_lp)
-        result.timings["execute_s"] = time.perf_counter() - start
+        result.timings["dispatch_s"] = step.dispatch_seconds
+        result.timings["collect_s"] = time.perf_counter() - start
         return result
 
     def _keep_probs(self, rows: list[SamplingRow | None], probs) -> None:
@@ -269,6 +301,14 @@ class ModelRunner:
                               "compile_s": time.perf_counter() - lowered_at, "threads": workers}
         self.warmed_up = True
         return elapsed
+
+
+class DispatchedStep:
+    """A step whose calls are on the device: the plan, and each call's unread outputs."""
+    def __init__(self, plan: StepPlan, next_tokens: dict[int, int], pending: list,
+                 dispatch_seconds: float):
+        self.plan, self.next_tokens, self.pending = plan, next_tokens, pending
+        self.dispatch_seconds = dispatch_seconds
 
 
 def _has_int8(params) -> bool:

@@ -19,8 +19,8 @@ import time
 
 from jaxbatch.block_manager import BlockManager
 from jaxbatch.config import SchedulerConfig
-from jaxbatch.plan import (DecodeEntry, PrefillChunk, SampledToken, SamplingRow, StepPlan,
-                           StepResult)
+from jaxbatch.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, SampledToken, SamplingRow,
+                           StepPlan, StepResult)
 from jaxbatch.policies import policy_key
 from jaxbatch.prefix_cache import extend_keys, root_key
 from jaxbatch.request import Sequence, SequenceStatus
@@ -77,6 +77,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
+        while seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+            seq.output_token_ids.pop()     # finished before its token was read: not its token
         self._release(seq)
         seq.status = status
         seq.stop_reason = stop_reason
@@ -238,6 +240,8 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
+            if self._ends_with_pending_token(seq):
+                continue
             if not self._reserve(seq, seq.num_tokens, scheduled):
                 continue
             position = seq.num_tokens - 1
@@ -264,7 +268,7 @@ class Scheduler:
             prefills.append(PrefillChunk(
                 seq.seq_id, seq.tokens(start, start + chunk), start,
                 list(self.blocks.block_table(seq.seq_id)), samples,
-                seq.params.prompt_logprobs if wants_prompt_lp else None))
+                seq.params.prompt_logprobs if wants_prompt_lp else None, seq.slot))
             if samples:
                 sampling[seq.seq_id] = self._sampling_row(seq)
             scheduled.add(seq.seq_id)
@@ -338,25 +342,66 @@ class Scheduler:
         if not seq.is_finished:
             self.blocks.shrink(seq.seq_id, seq.num_tokens)
 
+    # ---- host/device overlap ----------------------------------------------------------------
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """A sequence whose last token is still on device and is certain to end it (max_tokens,
+        max_model_len) decodes nothing more: that row would only be thrown away."""
+        if not seq.output_token_ids or seq.output_token_ids[-1] != PENDING_TOKEN:
+            return False
+        p = seq.params
+        return ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
+
+    def needs_tokens_to_plan(self, plan: StepPlan, seqs: dict[int, Sequence]) -> bool:
+        """Whether the step after `plan` can only be planned once `plan`'s tokens are read:
+        proposers read the tokens, penalties count them."""
+        if self.proposer is not None:
+            return True
+        return any(_uses_penalties(seqs[i].params) for i in plan.sampling if i in seqs)
+
     # ---- results -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
-        """Applies a step's results; returns the sequences that got a new token."""
-        now = time.monotonic()
+    def on_dispatched(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
+        """The plan's calls are on the device: its tokens count as computed (what runs next on
+        the device runs after them), full prefill chunks' blocks become cached, and every
+        sequence that samples holds a PENDING_TOKEN until `update` reads the real one.
+        Sequences finished (or aborted) since the plan was made are left alone."""
+        plan.dispatched = True
         for chunk in plan.prefills:
-            seq = seqs[chunk.seq_id]
+            seq = seqs.get(chunk.seq_id)
+            if seq is None or seq.is_finished:
+                continue
             seq.num_computed_tokens += len(chunk.token_ids)
             if (self.blocks.prefix_index is not None
                     and len(chunk.token_ids) == self.config.prefill_chunk_size):
                 self._register_computed_blocks(seq, chunk)
-            for position, logprobs in result.prompt_logprobs.get(chunk.seq_id, ()):
-                if position < seq.num_prompt_tokens:
-                    seq.prompt_logprobs[position] = logprobs
         for entry in plan.decodes:
-            seqs[entry.seq_id].num_computed_tokens += 1
+            seq = seqs.get(entry.seq_id)
+            if seq is not None and not seq.is_finished:
+                seq.num_computed_tokens += 1
+        for seq_id in plan.sampling:
+            seq = seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:
+                seq.output_token_ids.append(PENDING_TOKEN)
+
+    def update(self, plan: StepPlan, result: StepResult, seqs: dict[int, Sequence]) -> list[Sequence]:
+        """Applies a dispatched step's results (after `on_dispatched`); returns the sequences
+        that got a new token. Tokens of sequences that finished meanwhile are dropped."""
+        if not plan.dispatched:
+            self.on_dispatched(plan, seqs)      # a caller stepping without overlap
+        now = time.monotonic()
+        for chunk in plan.prefills:
+            seq = seqs.get(chunk.seq_id)
+            for position, logprobs in result.prompt_logprobs.get(chunk.seq_id, ()):
+                if seq is not None and position < seq.num_prompt_tokens:
+                    seq.prompt_logprobs[position] = logprobs
         advanced = []
         drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
         for seq_id, sampled in result.sampled.items():
-            seq = seqs[seq_id]
+            seq = seqs.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            assert seq.output_token_ids[-1] == PENDING_TOKEN, "a sampled token with no place"
+            seq.output_token_ids.pop()
             self._append(seq, sampled, now)
             if seq_id in drafts:
                 self._accept(seq, drafts[seq_id], result.draft_sampled[seq_id])

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from jaxbatch.config import SchedulerConfig, next_power_of_two
-from jaxbatch.plan import PrefillChunk, SamplingRow, StepPlan, pad_block_table
+from jaxbatch.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
 from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
                                                 num_decode_items)
 
@@ -44,6 +44,9 @@ class ModelCall:
     decode_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # decode with sampled drafts: (draft_token [rows] i32, q [rows, V] f32), see `verify_inputs`
     verify: tuple[np.ndarray, np.ndarray] | None = None
+    # The slot each sampled row's token is kept under on device (max_num_seqs: not kept), so
+    # the next step can decode it before the host has read it (host/device overlap).
+    token_slots: np.ndarray | None = None
 
 
 class StepLayout:
@@ -144,12 +147,20 @@ class StepLayout:
                 entries.append((d.seq_id, j, token, d.position + j, d.block_table, row))
         b = self.decode_row_bucket(len(entries))
         tokens = np.zeros(b, np.int32)
+        token_src = np.full(b, -1, np.int32)        # >= 0: take the token kept in this slot
+        token_slots = np.full(b, self.cfg.max_num_seqs, np.int32)
         positions = np.zeros(b, np.int32)
         slot_mapping = np.zeros(b, np.int32)
         lengths = np.zeros(b, np.int32)             # 0 = padding row
         rows: list[SamplingRow | None] = [None] * b
-        for i, (_, _, token, position, table, row) in enumerate(entries):
-            tokens[i] = token
+        slot_of = {d.seq_id: d.slot for d in plan.decodes}
+        for i, (seq_id, j, token, position, table, row) in enumerate(entries):
+            if token == PENDING_TOKEN:
+                token_src[i] = slot_of[seq_id]
+            else:
+                tokens[i] = token
+            if j == 0:
+                token_slots[i] = slot_of[seq_id]
             positions[i] = position
             slot_mapping[i] = table[position // bs] * bs + position % bs
             lengths[i] = position + 1
@@ -165,9 +176,9 @@ class StepLayout:
             for i, e in enumerate(entries):
                 tables[i] = pad_block_table(e[4], size)
             meta = (tables, lengths)
-        return ModelCall(("decode", b, size), (tokens, positions, slot_mapping, meta), rows,
-                         decode_rows=[(e[0], e[1]) for e in entries],
-                         verify=verify_inputs(plan.decodes, b))
+        return ModelCall(("decode", b, size), (tokens, token_src, positions, slot_mapping, meta),
+                         rows, decode_rows=[(e[0], e[1]) for e in entries],
+                         token_slots=token_slots, verify=verify_inputs(plan.decodes, b))
 
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
@@ -204,6 +215,7 @@ class StepLayout:
         slot_mapping = np.zeros(t, np.int32)         # padding writes into the null block
         targets = np.full(t, -1, np.int32)
         sample_index = np.zeros(s, np.int32)
+        token_slots = np.full(s, self.cfg.max_num_seqs, np.int32)
         rows: list[SamplingRow | None] = [None] * s
         tables = np.zeros((s, pages), np.int32)
         for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
@@ -219,6 +231,7 @@ class StepLayout:
             tables[i] = table
             if chunk.sample:
                 rows[i] = plan.sampling[chunk.seq_id]
+                token_slots[i] = chunk.slot
         if self.work_lists:
             # Every tile of a chunk carries its sequence's block table.
             tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32)     # [T / tile, P]
@@ -236,7 +249,8 @@ class StepLayout:
             meta = (kv_lens, tables, cu_q_lens, np.array([len(chunks)], np.int32))
         return ModelCall(("prefill", t, pages), (tokens, positions, slot_mapping, meta, sample_index),
                          rows, chunks=list(chunks), q_starts=q_starts, targets=targets,
-                         want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks))
+                         want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks),
+                         token_slots=token_slots)
 
     # ---- warm-up -------------------------------------------------------------------------
     def placeholder_call(self, kind: str, a: int, b: int) -> ModelCall:
@@ -244,13 +258,14 @@ class StepLayout:
         reads from the null block, and every length is 0."""
         if kind == "decode":
             rows, size = a, b                          # size: work items (xla) or pages
-            zeros = np.zeros(rows, np.int32)
+            zeros, nowhere = np.zeros(rows, np.int32), np.full(rows, self.cfg.max_num_seqs, np.int32)
             if self.work_lists:
                 meta = (np.full(size, rows, np.int32),                  # every item is padding
                         np.zeros((size, PAGES_PER_ITEM), np.int32), np.zeros(size, np.int32), zeros)
             else:
                 meta = (np.zeros((rows, size), np.int32), zeros)
-            return ModelCall((kind, rows, size), (zeros, zeros, zeros, meta), [None] * rows)
+            return ModelCall((kind, rows, size), (zeros, zeros - 1, zeros, zeros, meta),
+                             [None] * rows, token_slots=nowhere)
         tokens, pages = a, b
         s, zeros = self.chunks_per_call, np.zeros(tokens, np.int32)
         if self.work_lists:
@@ -259,7 +274,8 @@ class StepLayout:
             meta = (np.zeros(s, np.int32), np.zeros((s, pages), np.int32),
                     np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
         return ModelCall((kind, tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
-                         [None] * s, targets=np.full(tokens, -1, np.int32))
+                         [None] * s, targets=np.full(tokens, -1, np.int32),
+                         token_slots=np.full(s, self.cfg.max_num_seqs, np.int32))
 
 
 def verify_inputs(decodes, num_rows: int) -> tuple[np.ndarray, np.ndarray] | None:

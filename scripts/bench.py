@@ -485,20 +485,20 @@ def bench_online(args, loaded, requests) -> dict:
 # ==== GPU benchmark ===============================================================================
 
 class KvReadMeter:
-    """Wraps runner.execute to record, per engine step, the KV tokens the step's decodes must
+    """Wraps runner.dispatch to record, per engine step, the KV tokens the step's decodes must
     read (sum of context lengths) and whether the step was decode-only."""
 
     def __init__(self, runner):
         self.per_step: list[tuple[int, bool]] = []
-        self._runner, self._execute = runner, runner.execute
-        runner.execute = self
+        self._runner, self._dispatch = runner, runner.dispatch
+        runner.dispatch = self
 
     def __call__(self, plan, next_tokens):
         self.per_step.append((sum(d.position + 1 for d in plan.decodes), not plan.prefills))
-        return self._execute(plan, next_tokens)
+        return self._dispatch(plan, next_tokens)
 
     def remove(self):
-        self._runner.execute = self._execute
+        self._runner.dispatch = self._dispatch
 
 
 def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_bps) -> dict:

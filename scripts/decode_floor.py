@@ -123,11 +123,12 @@ class Piece:
 def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
     length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
-    prefill in the first step."""
+    prefill in the first step. No host/device overlap: a step is timed whole, with nothing of
+    it still running on the device while the pieces are timed."""
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
                        num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
                        max_num_batched_tokens=slots * ctx + slots, warmup=False,
-                       attention_backend=backend)
+                       attention_backend=backend, async_scheduling=False)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
@@ -143,7 +144,7 @@ def build_pieces(engine, plan, slots, ctx):
     call = runner.layout.decode_call(plan)
     # --slots is a power of two (main checks), so the decode call has exactly `slots` rows.
     assert call.key[1] == slots, f"--slots {slots}: use a power of two (the runner pads rows to one)"
-    tokens, positions, slot_mapping, meta = call.args
+    tokens, token_src, positions, slot_mapping, meta = call.args
     samp = runner._sampling_arrays(call.rows)
     params, inv_freq = runner.params, runner._inv_freq
     dev = tuple(jax.tree.map(jnp.asarray, (tokens, positions, slot_mapping, meta)))
@@ -165,9 +166,11 @@ def build_pieces(engine, plan, slots, ctx):
     floor_params = {**params, "layers": [{name: w[i] for name, w in params["layers"].items()}
                                           for i in range(cfg.num_layers)]}
 
+    kept_tokens, token_src = runner.kept_tokens, jnp.asarray(token_src)
+
     def engine_exe(params, pool, *args):
-        *inputs, samp_arrays = args
-        logits, pool = forward(params, pool, *inputs)
+        tokens, *inputs, samp_arrays = args
+        logits, pool = forward(params, pool, kept_tokens, tokens, token_src, *inputs)
         return sample(logits, samp_arrays), pool
     paged = jax.jit(functools.partial(paged_greedy, cfg=cfg, inv_freq=inv_freq,
                                       backend=runner.backend), donate_argnums=(1,))
@@ -194,12 +197,12 @@ def measure_context(loaded, slots, ctx, rounds, seed, backend="auto"):
     engine = steady_decode_engine(loaded, slots, ctx, rounds, seed, backend)
     engine_backend = engine.runner.backend
     captured = {}
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
-    def recording_execute(plan, next_tokens):          # keeps the last decode plan
+    def recording_dispatch(plan, next_tokens):         # keeps the last decode plan
         captured["plan"] = plan
-        return execute(plan, next_tokens)
-    engine.runner.execute = recording_execute
+        return dispatch(plan, next_tokens)
+    engine.runner.dispatch = recording_dispatch
 
     start = time.perf_counter()
     engine.step()                                      # every prefill; first tokens sampled
