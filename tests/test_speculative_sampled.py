@@ -13,6 +13,7 @@ from scipy import stats
 
 from jaxbatch import SamplingParams
 from jaxbatch.engine import LLMEngine
+from jaxbatch.plan import PENDING_TOKEN
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.speculative import SpeculativeConfig
 from test_engine_tiny import run_all, tiny_engine
@@ -39,7 +40,9 @@ def check_counters(engine: LLMEngine) -> dict:
     update = engine.scheduler.update
 
     def counting(plan, result_, seqs):
-        drafted = {d.seq_id: (d.draft_token_ids, seqs[d.seq_id].num_output_tokens)
+        # Tokens already read (the output ends with the PENDING_TOKEN this step will replace).
+        read = lambda seq: len([t for t in seq.output_token_ids if t != PENDING_TOKEN])  # noqa: E731
+        drafted = {d.seq_id: (d.draft_token_ids, read(seqs[d.seq_id]))
                    for d in plan.decodes if d.draft_token_ids}
         advanced = update(plan, result_, seqs)
         for seq_id, (drafts, before) in drafted.items():
