@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default; outputs are the same without it)")
     s.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as JSON: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\' (off by default)')
+                        '"num_speculative_tokens": 3}\' or \'{"method": "draft_model", '
+                        '"model": PATH, "draft_sampling": "sampled"}\' (off by default)')
     s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="int8: KV cache as int8 with a float32 scale per token and KV head "
                         "(~1.9x the tokens of bfloat16 in the same memory)")

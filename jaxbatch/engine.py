@@ -68,7 +68,8 @@ class LLMEngine:
         `enable_prefix_caching` shares the KV of prompt prefixes already computed (outputs
         are the same with it off; see jaxbatch/prefix_cache.py). `speculative_config`
         ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
-        verifies proposed tokens in the decode step; the tokens are the same without it.
+        verifies proposed tokens in the decode step; the tokens are the same without it
+        (with a draft model's "draft_sampling": "sampled", their distribution is).
         `async_scheduling` overlaps host and device: each step is planned while the previous
         one runs, its sampled tokens staying on device (outputs unchanged, one step later).
         `warmup` compiles every shape the scheduler can produce before the first request, so
@@ -140,7 +141,7 @@ class LLMEngine:
                 speculative.model, target_vocab_size=mc.vocab_size,
                 max_num_seqs=speculative.max_batch_size, max_model_len=max_model_len,
                 dtype=dtype, warmup=warmup, compilation_cache=compilation_cache,
-                attention_backend=attention_backend)
+                attention_backend=attention_backend, draft_sampling=speculative.draft_sampling)
         self.scheduler = Scheduler(self.config, eos, cache_namespace=namespace,
                                    speculative=speculative, proposer=proposer)
         if runner is None:
@@ -159,6 +160,12 @@ class LLMEngine:
                              "max_model_len, prefill chunk size, kv_cache_dtype and "
                              "quantization as this engine")
         self.runner = runner
+        verify_keys_added = False
+        if speculative is not None and speculative.draft_sampling == "sampled":
+            # Decode calls that verify sampled drafts: at most max_batch_size sequences with
+            # k proposals each (never more rows than max_num_seqs).
+            verify_keys_added = runner.enable_verify_sampling(min(
+                max_num_seqs, speculative.max_batch_size * (1 + speculative.num_speculative_tokens)))
         self._rng = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -173,7 +180,7 @@ class LLMEngine:
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
         self.step_log: list[tuple[float, int, int, int]] = []
         self.warmup_seconds = 0.0
-        if warmup and not self.runner.warmed_up:
+        if warmup and (not self.runner.warmed_up or verify_keys_added):
             self.warmup()
 
     @staticmethod

@@ -33,6 +33,9 @@ class DecodeEntry:
     position: int
     block_table: list[int]
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Sampled drafts (draft_sampling="sampled"): [len(draft_token_ids), V] f32, the draft's
+    # distribution q each proposed token was drawn from; None for one-hot (greedy, n-gram).
+    draft_probs: np.ndarray | None = None
 
 
 @dataclasses.dataclass

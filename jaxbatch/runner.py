@@ -7,6 +7,8 @@ Each engine step dispatches, without reading anything back in between:
   sampling          ("sample", rows): one executable per row count, shared by every model call
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
+  verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
+                    of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
 Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front, in
 parallel (or loads them from JAX's persistent compilation cache: `compile_cache.py`); a
 compilation after warm-up is logged and counted as a bug (`compilations_after_warmup`).
@@ -55,10 +57,11 @@ def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, s
     return llama.compute_logits(params, last), hidden, pool                     # [S, V], [T, d]
 
 
-def _sample_and_keep(logits, sampling_arrays, kept_tokens, token_slots):
-    """Samples, and keeps each row's token under its slot ([S]; slot S = not kept) for the
-    next step's decode call to read on device."""
-    out = sampler.sample(logits, sampling_arrays)
+def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
+    """`sample_fn` (a jaxbatch.sampler function; `extra` its further inputs), and each row's
+    token kept under its slot ([S]; slot S = not kept) for the next step's decode call to
+    read on device."""
+    out = sample_fn(logits, sampling_arrays, *extra)
     return out + (kept_tokens.at[token_slots].set(out[0], mode="drop"),)
 
 
@@ -103,12 +106,16 @@ class ModelRunner:
             #                           number of outputs: the pool, when donated, is the last)
             "decode": (functools.partial(_decode_forward, **common), 1, 2),
             "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
-            "sample": (_sample_and_keep, None, None),
+            "sample": (functools.partial(_sample_and_keep, sampler.sample), None, None),
+            "verify_sample": (functools.partial(_sample_and_keep, sampler.sample_verified), None, None),
             "prompt_logprobs": (_prompt_logprobs_step, None, None),
         }
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
         self._executables: dict[tuple, object] = {}
+        self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
+        # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
+        self.kept_probs: dict[tuple[int, int], np.ndarray] | None = None
         self._unused_history: dict[int, jax.Array] = {}
         self.compile_seconds = 0.0
         # Set by `warmup`: from then on a compilation means a shape the buckets missed.
@@ -123,7 +130,29 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[tuple]:
         """Every key the scheduler can make this runner execute."""
-        return self.layout.executable_keys()
+        return self.layout.executable_keys() + [("verify_sample", n) for n in
+                                                self.layout.decode_row_buckets() if n <= self.verify_rows]
+
+    def enable_verify_sampling(self, max_rows: int) -> bool:
+        """Speculation with sampled drafts: decode calls of up to `max_rows` rows may carry q
+        and sample with ("verify_sample", rows), compiled at warm-up like every key (separate
+        executables, so engines without sampled drafts compile and run exactly what they did).
+        True if this added keys."""
+        bucket = self.layout.decode_row_bucket(max_rows)
+        added = bucket > self.verify_rows
+        self.verify_rows = max(self.verify_rows, bucket)
+        return added
+
+    def keep_sampling_probs(self) -> None:
+        """For a draft model sampling its proposals: every "sample" executable also returns the
+        distributions, and `execute` keeps those of rows with temperature > 0 in `kept_probs`.
+        It replaces the sample function, so it must come before anything is compiled."""
+        if self._executables:
+            raise RuntimeError("keep_sampling_probs() after compiling: the sample executables "
+                               "would not return the probabilities")
+        self._functions["sample"] = (functools.partial(_sample_and_keep, sampler.sample_with_probs),
+                                     None, None)
+        self.kept_probs = {}
 
     # ---- executables ---------------------------------------------------------------------
     def _lower(self, key: tuple, args):
@@ -163,6 +192,10 @@ class ModelRunner:
         if kind == "sample":
             return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
                     self.kept_tokens, np.zeros(n, np.int32))
+        if kind == "verify_sample":
+            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
+                    self.kept_tokens, np.zeros(n, np.int32),
+                    jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, vocab), jnp.float32))
         # The embedding's dtype is the activations' (layer matrices may be int8).
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
@@ -177,9 +210,10 @@ class ModelRunner:
         """Model call, then its sampling (and prompt logprobs): device arrays, nothing read."""
         out = self._run(call.key, self._model_args(call.key, call.args))
         self.pool = out[-1]
+        arrays = self._sampling_arrays(call.rows)
+        kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
-            ("sample", len(call.rows)),
-            (out[0], self._sampling_arrays(call.rows), self.kept_tokens, call.token_slots))
+            (kind, len(call.rows)), (out[0], arrays, self.kept_tokens, call.token_slots) + verify)
         prompt_lp = None
         if call.want_prompt_logprobs:
             prompt_lp = self._run(("prompt_logprobs", call.key[1]),
@@ -211,6 +245,8 @@ class ModelRunner:
         result = StepResult(sampled={}, prompt_logprobs={})
         for call, (sampled, prompt_lp) in step.pending:
             tokens, logprob = np.asarray(sampled[0]), np.asarray(sampled[1])
+            if self.kept_probs is not None:
+                self._keep_probs(call.rows, sampled[4])
             # The [rows, 20] top-k arrays cross to the host only when some row reads them.
             top_ids = top_lp = None
             if any(r is not None and r.logprobs for r in call.rows):
@@ -234,6 +270,16 @@ class ModelRunner:
         result.timings["dispatch_s"] = step.dispatch_seconds
         result.timings["collect_s"] = time.perf_counter() - start
         return result
+
+    def _keep_probs(self, rows: list[SamplingRow | None], probs) -> None:
+        """The whole [rows, V] distribution crosses to the host, once per call, only in a
+        sampled draft's engine and only when some row samples: cheap on a CPU (host memory);
+        on an accelerator a device-to-host copy per draft step, the price of sampled drafts."""
+        wanted = [(i, r) for i, r in enumerate(rows) if r is not None and r.temperature > 0]
+        if wanted:
+            probs = np.asarray(probs)
+            for i, r in wanted:
+                self.kept_probs[(r.seq_id, r.position)] = probs[i]
 
     # ---- warm-up -------------------------------------------------------------------------
     def warmup(self, max_workers: int | None = None) -> float:

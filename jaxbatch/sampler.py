@@ -7,6 +7,12 @@ Penalties and top-k logprobs are runtime branches (`lax.cond` on a flag computed
 not compile-time variants: one executable per shape serves every request, so nothing compiles
 mid-serving when the first request asking for them arrives, and a step where no row asks pays
 nothing for them.
+
+Speculative decoding with sampled drafts (`draft_sampling="sampled"`) adds two functions that
+only such engines compile: `sample_with_probs` (the draft model: its tokens and the q each came
+from) and `sample_verified` (the target's decode calls carrying q: the rejection step of
+jaxbatch/rejection_sampler.py against the same p plain sampling draws from). `sample` is
+unchanged by them.
 """
 from __future__ import annotations
 
@@ -17,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.plan import SamplingRow
+from jaxbatch.rejection_sampler import rejection_sample
 from jaxbatch.sampling_params import MAX_LOGPROBS
 
 MAX_BANNED = 16   # EOS + stop_token_ids held back while min_tokens is not reached
+VERIFY_SALT = 0x5EC0DE   # folded into a row's key for the rejection step's uniform
 
 
 @jax.tree_util.register_dataclass
@@ -101,19 +109,53 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
 
 
-def _random_choice(processed, s: SamplingArrays):
+def _distribution(processed, s: SamplingArrays):
+    """The logits plain sampling draws from: temperature, top-k / top-p, min-p (-inf where
+    excluded). Their softmax is the row's distribution p."""
     scaled = processed / jnp.maximum(s.temperature, 1e-6)[:, None]
     needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
     scaled = jax.lax.cond(needs_sort, _filter_top_k_top_p, lambda x, k, p: x, scaled, s.top_k, s.top_p)
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    scaled = jnp.where(keep, scaled, -jnp.inf)
+    return jnp.where(keep, scaled, -jnp.inf)
 
+
+def _gumbel(s: SamplingArrays, vocab: int):
     def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.gumbel(key, (scaled.shape[-1],), jnp.float32)
-    noise = jax.vmap(gumbel)(s.seed, s.position)
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+    return jax.vmap(gumbel)(s.seed, s.position)                                 # [N, V]
+
+
+def _random_choice(processed, s: SamplingArrays):
+    scaled = _distribution(processed, s)
+    return jnp.argmax(scaled + _gumbel(s, scaled.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def _random_choice_with_probs(processed, s: SamplingArrays):
+    """A draft model's sampled proposals: the token, and the distribution q it was drawn from
+    (Gumbel-max over `scaled` samples exactly softmax(scaled))."""
+    scaled = _distribution(processed, s)
+    tokens = jnp.argmax(scaled + _gumbel(s, scaled.shape[-1]), axis=-1).astype(jnp.int32)
+    return tokens, jax.nn.softmax(scaled, axis=-1)
+
+
+def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
+    """Rows with a sampled proposal (draft_token >= 0) go through the rejection step against
+    this row's p; the others sample as plain decoding does. u comes from the row's (seed,
+    position) key folded with a salt, independent of the Gumbel noise (the residual's) and of
+    the draft's own noise (the draft samples under another seed)."""
+    scaled = _distribution(processed, s)
+    gumbel = _gumbel(s, scaled.shape[-1])
+    plain = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+    def uniform(seed, position):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), VERIFY_SALT)
+        return jax.random.uniform(key, (), jnp.float32)
+    u = jax.vmap(uniform)(s.seed, s.position)                                   # [N]
+    verified = rejection_sample(jax.nn.softmax(scaled, axis=-1), draft_probs,
+                                jnp.maximum(draft_token, 0), u, gumbel)
+    return jnp.where(draft_token >= 0, verified, plain)
 
 
 def sample(logits, s: SamplingArrays):
@@ -122,6 +164,26 @@ def sample(logits, s: SamplingArrays):
     vocabulary is a visible part of a CPU decode step), zeros otherwise.
 
     Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
+    return _sample(logits, s, _random_choice)
+
+
+def sample_with_probs(logits, s: SamplingArrays):
+    """`sample`, plus [N, V] f32: the distribution each row with temperature > 0 drew from
+    (zeros when every row is greedy). Only a draft model sampling its proposals runs it."""
+    def greedy(processed, s_):
+        return jnp.zeros(processed.shape[0], jnp.int32), jnp.zeros_like(processed)
+    return _sample(logits, s, _random_choice_with_probs, greedy)
+
+
+def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs):
+    """`sample` for a decode call verifying sampled proposals: draft_token [N] i32 (-1: the row
+    verifies none), draft_probs [N, V] f32, the draft's q for that token (jaxbatch/rejection_sampler.py)."""
+    return _sample(logits, s, lambda p, s_: _verified_choice(p, s_, draft_token, draft_probs))
+
+
+def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
+    """`random_choice(processed, s)` -> tokens, or (tokens, extra) with `all_greedy_choice`
+    giving the same structure when every row is greedy; extra is appended to the outputs."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     n = logits.shape[0]
@@ -130,12 +192,17 @@ def sample(logits, s: SamplingArrays):
         jnp.where(s.banned >= 0, -jnp.inf, jnp.inf))
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     all_greedy = jnp.all(s.temperature == 0.0)
-    sampled = jax.lax.cond(all_greedy, lambda p, s_: greedy, _random_choice, processed, s)
+    extra = ()
+    if all_greedy_choice is None:
+        sampled = jax.lax.cond(all_greedy, lambda p, s_: greedy, random_choice, processed, s)
+    else:
+        sampled, probs = jax.lax.cond(all_greedy, all_greedy_choice, random_choice, processed, s)
+        extra = (probs,)
     tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
     token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_ids, top_logprobs = jax.lax.cond(s.any_logprobs, _top_logprobs, _no_top_logprobs,
                                          raw_logprobs)
-    return tokens, token_logprob, top_ids, top_logprobs
+    return (tokens, token_logprob, top_ids, top_logprobs) + extra
 
 
 def _top_logprobs(raw):

@@ -24,13 +24,11 @@ from jaxbatch.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, SampledToke
 from jaxbatch.policies import policy_key
 from jaxbatch.prefix_cache import extend_keys, root_key
 from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.scheduler_speculation import SpeculativeScheduling
 from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 
-MAX_SPEC_BACKOFF = 16
-
-
-class Scheduler:
+class Scheduler(SpeculativeScheduling):
     def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
                  cache_namespace: str = "", speculative: SpeculativeConfig | None = None,
                  proposer=None):
@@ -273,69 +271,8 @@ class Scheduler:
                 sampling[seq.seq_id] = self._sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= chunk
-        draft_sampling = self._speculate(decodes, budget) if self.proposer else {}
+        draft_sampling = self._speculate(decodes, budget, sampling) if self.proposer else {}
         return StepPlan(self.step_count, prefills, decodes, sampling, draft_sampling)
-
-    # ---- speculative decoding ------------------------------------------------------------
-    def _speculate(self, decodes: list[DecodeEntry], budget: int) -> dict[int, list[SamplingRow]]:
-        """Proposals for small decode batches, from what is left after everything else: the
-        token budget, rows of the largest decode bucket, free blocks (never a preemption)."""
-        spec = self.speculative
-        if not decodes or len(decodes) > spec.max_batch_size:
-            return {}
-        by_id = {s.seq_id: s for s in self.running}
-        rows_left = self.config.max_num_seqs - len(decodes)
-        wanted = {}
-        for entry in decodes:
-            seq = by_id[entry.seq_id]
-            p = seq.params
-            # Every proposal accepted still leaves room for the sample after it.
-            k = min(spec.num_speculative_tokens, budget, rows_left,
-                    self.config.max_model_len - seq.num_tokens - 1)
-            if p.max_tokens is not None:
-                k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-            if k <= 0 or not p.speculate or self.step_count < seq.spec_resume_step:
-                continue
-            wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
-            budget -= k
-            rows_left -= k
-        proposals = self.proposer.propose_batch(wanted) if wanted else {}
-        draft_sampling = {}
-        for entry in decodes:
-            seq, proposal = by_id[entry.seq_id], list(proposals.get(entry.seq_id, ()))
-            while proposal and not self.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
-                proposal.pop()
-            if not proposal:
-                continue
-            self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens + len(proposal))
-            entry.block_table = list(self.blocks.block_table(seq.seq_id))
-            entry.draft_token_ids = proposal
-            draft_sampling[seq.seq_id] = [self._sampling_row(seq, proposal[:i])
-                                          for i in range(1, len(proposal) + 1)]
-        return draft_sampling
-
-    def _accept(self, seq: Sequence, drafts: list[int], samples: list[SampledToken]) -> None:
-        """A proposal stands while it equals the token sampled before it; each accepted one
-        adds its row's sample. Stops apply token by token, so a run ends where plain decoding
-        would end. KV of rejected proposals is dead: never counted computed, overwritten later."""
-        if seq.is_finished:
-            return     # its own token ended it: the proposals were never in question
-        accepted = 0
-        for draft, sampled in zip(drafts, samples):
-            if seq.is_finished or seq.output_token_ids[-1] != draft:
-                break
-            accepted += 1
-            seq.num_computed_tokens += 1
-            self._append(seq, sampled)
-        self.spec_counters.record(len(drafts), accepted)
-        # A rejected row costs about what a decoding sequence does on a CPU: a sequence whose
-        # proposals are mostly wrong (its text does not repeat) stops proposing for a while
-        # (1, 2, 4 .. MAX_SPEC_BACKOFF steps); a mostly accepted proposal resumes it at once.
-        paid_off = 2 * accepted >= len(drafts)
-        seq.spec_backoff = 0 if paid_off else min(MAX_SPEC_BACKOFF, max(1, 2 * seq.spec_backoff))
-        seq.spec_resume_step = self.step_count + 1 + seq.spec_backoff
-        if not seq.is_finished:
-            self.blocks.shrink(seq.seq_id, seq.num_tokens)
 
     # ---- host/device overlap ----------------------------------------------------------------
     def _ends_with_pending_token(self, seq: Sequence) -> bool:

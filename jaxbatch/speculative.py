@@ -9,9 +9,19 @@ while each equals the token sampled at the row before it and keeps the first mis
 sample, so the tokens are those of decoding without speculation (lossless for any sampling
 settings). A proposer only guesses; it never changes what is sampled.
 
-`propose_batch({seq_id: (token_ids, k)}) -> {seq_id: proposal}` is the one seam: n-gram prompt
-lookup lives here; a draft model (jaxbatch/draft_model.py: a second engine over its own paged
-KV pool, greedy) is built by the engine, which keeps this module and the scheduler free of JAX.
+`propose_batch({seq_id: (token_ids, k)}, {seq_id: sampling row}) -> {seq_id: proposal}` is the
+one seam: n-gram prompt lookup lives here; a draft model (jaxbatch/draft_model.py: a second
+engine over its own paged KV pool) is built by the engine, which keeps this module and the
+scheduler free of JAX.
+
+`draft_sampling` (draft_model only): "greedy" (default) proposes the draft's argmax, a one-hot
+q, for which the rule above is the standard rejection sampler and the tokens stay identical to
+decoding without speculation. "sampled" draws each proposal of a request with temperature > 0
+from the draft's own distribution q (the request's temperature, top-k, top-p, min-p; a seed
+derived from the sequence's) and returns q (`SampledDraft`); the verification row then accepts
+with probability min(1, p/q) and otherwise samples the residual (jaxbatch/rejection_sampler.py).
+That preserves the target distribution, not the tokens: more proposals are accepted when the
+draft is good but not the target's argmax. Temperature-0 requests keep greedy proposals.
 """
 from __future__ import annotations
 
@@ -21,6 +31,10 @@ from collections.abc import Sequence
 import numpy as np
 
 METHODS = ("ngram", "draft_model")
+DRAFT_SAMPLING = ("greedy", "sampled")
+# The draft samples under seed ^ DRAFT_SEED_MASK: never the target's own seed, so the draft's
+# noise is independent of the noise of the rows that verify it.
+DRAFT_SEED_MASK = 0x9E3779B9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +48,7 @@ class SpeculativeConfig:
     # (measured in docs/BENCHMARKS.md, "Speculative decoding").
     max_batch_size: int = 4
     model: str | None = None          # draft_model: a checkpoint with the target's vocabulary
+    draft_sampling: str = "greedy"    # draft_model: "greedy" | "sampled" (see the module doc)
 
     def __post_init__(self):
         def fail(field, why):
@@ -42,6 +57,10 @@ class SpeculativeConfig:
             fail("method", f"choose one of {', '.join(METHODS)}")
         if self.method == "draft_model" and not self.model:
             fail("model", "draft_model needs a model path")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            fail("draft_sampling", f"choose one of {', '.join(DRAFT_SAMPLING)}")
+        if self.draft_sampling == "sampled" and self.method != "draft_model":
+            fail("draft_sampling", "only a draft_model has a distribution to sample from")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             fail("num_speculative_tokens", "must be an integer in [1, 16]")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
@@ -74,7 +93,8 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose_batch(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+    def propose_batch(self, requests: dict[int, tuple[list[int], int]],
+                      rows=None) -> dict[int, list[int]]:
         return {sid: self.propose(tokens, k) for sid, (tokens, k) in requests.items()}
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
@@ -89,6 +109,25 @@ class NgramProposer:
                 follow = starts[-1] + n
                 return tokens[follow:follow + k].tolist()
         return []
+
+
+class SampledDraft(list):
+    """A proposal drawn from the draft's distribution: the token ids (a list, like every
+    proposal) and `probs`, [len, V] f32, the q each was drawn from."""
+
+    def __init__(self, token_ids, probs: np.ndarray):
+        super().__init__(token_ids)
+        self.probs = probs
+
+
+def draft_probs(proposal, n: int) -> np.ndarray | None:
+    """q of a proposal's first n tokens (after the scheduler trimmed it), None if one-hot."""
+    probs = getattr(proposal, "probs", None)
+    return None if probs is None else probs[:n]
+
+
+def draft_seed(seed: int) -> int:
+    return (seed ^ DRAFT_SEED_MASK) & 0xFFFFFFFF
 
 
 def make_proposer(config: SpeculativeConfig):

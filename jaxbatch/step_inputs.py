@@ -42,6 +42,8 @@ class ModelCall:
     want_prompt_logprobs: bool = False
     # decode: (seq_id, j) of each row; j = 0 its token, j >= 1 its j-th proposed token
     decode_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # decode with sampled drafts: (draft_token [rows] i32, q [rows, V] f32), see `verify_inputs`
+    verify: tuple[np.ndarray, np.ndarray] | None = None
     # The slot each sampled row's token is kept under on device (max_num_seqs: not kept), so
     # the next step can decode it before the host has read it (host/device overlap).
     token_slots: np.ndarray | None = None
@@ -176,7 +178,7 @@ class StepLayout:
             meta = (tables, lengths)
         return ModelCall(("decode", b, size), (tokens, token_src, positions, slot_mapping, meta),
                          rows, decode_rows=[(e[0], e[1]) for e in entries],
-                         token_slots=token_slots)
+                         token_slots=token_slots, verify=verify_inputs(plan.decodes, b))
 
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
@@ -274,3 +276,23 @@ class StepLayout:
         return ModelCall((kind, tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
                          [None] * s, targets=np.full(tokens, -1, np.int32),
                          token_slots=np.full(s, self.cfg.max_num_seqs, np.int32))
+
+
+def verify_inputs(decodes, num_rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """For sampled drafts: the proposed token each decode row verifies and the q it was drawn
+    from, (draft_token [rows] i32, -1 = verifies none; q [rows, V] f32), in `decode_call`'s row
+    order: a sequence's row j verifies its proposal j, its last row (the bonus) none. None when
+    no entry has q: the call then samples with the plain "sample" executable."""
+    with_q = [d for d in decodes if d.draft_probs is not None]
+    if not with_q:
+        return None
+    draft_token = np.full(num_rows, -1, np.int32)
+    q = np.zeros((num_rows, with_q[0].draft_probs.shape[1]), np.float32)
+    row = 0
+    for d in decodes:
+        n = len(d.draft_token_ids)
+        if d.draft_probs is not None:
+            draft_token[row:row + n] = d.draft_token_ids
+            q[row:row + n] = d.draft_probs
+        row += 1 + n
+    return draft_token, q
