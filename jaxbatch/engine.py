@@ -1,10 +1,13 @@
 """LLMEngine: add_request / step / abort_request, exactly as vLLM names them.
 
-One `step()` reads as: schedule (host) -> execute (device) -> update (host). The request's
-journey: `add_request` validates and queues its sequences in the scheduler's waiting list;
-`step` admits them into slots, prefills them in chunks, decodes one token per step; stops are
-applied in `Scheduler.update` (tokens) and `RequestState.apply_stop_strings` (text); a finished request's
-blocks and slot are freed at once and its final output is returned by that same step.
+One `step()` reads as: schedule (host) -> dispatch (device) -> read and update (host). The
+request's journey: `add_request` validates and queues its sequences in the scheduler's waiting
+list; `step` admits them into slots, prefills them in chunks, decodes one token per step; stops
+are applied in `Scheduler.update` (tokens) and `RequestState.apply_stop_strings` (text); a
+finished request's blocks and slot are freed at once and its final output is returned then.
+With host/device overlap (`async_scheduling`, the default) the step dispatched by one `step()`
+is read by the next: between the two its sampled tokens are PENDING_TOKEN on the host and live
+only on the device, and the next step is planned and dispatched before they are read.
 """
 from __future__ import annotations
 

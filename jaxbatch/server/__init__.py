@@ -11,8 +11,9 @@
 4. async_engine.py  `add_request` puts an "add" command on the engine thread's list and waits
                     for the engine's verdict (LLMEngine.add_request raising -> 400). No byte has
                     been sent so far, so every error above is a proper HTTP error.
-5. engine thread    drains commands, runs `LLMEngine.step()`, and hands all of the step's
-                    cumulative outputs to the event loop in one `call_soon_threadsafe`; each
+5. engine thread    drains commands, runs `LLMEngine.step()` (which dispatches the next step
+                    before reading this one's tokens: host/device overlap), and hands all of the
+                    step's cumulative outputs to the event loop in one `call_soon_threadsafe`; each
                     request's mailbox keeps only the newest (a slow reader's deltas merge).
                     Text comes from the incremental detokenizer (jaxbatch/detokenizer.py):
                     no half characters, nothing of a stop string that may still match.
