@@ -334,11 +334,15 @@ class LLMEngine:
             outputs += self._finish_step(in_flight)
         if dispatched is not None:
             self.scheduler.on_dispatched(dispatched.plan, self._seqs)
-            if self.async_scheduling:
+            if self.async_scheduling and self._has_live_sequence(dispatched.plan):
                 self._in_flight = dispatched
-            else:
+            else:       # (a step only of sequences that ended meanwhile is not left pending)
                 outputs += self._finish_step(dispatched)
         return outputs
+
+    def _has_live_sequence(self, plan) -> bool:
+        ids = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
+        return any(i in self._seqs and not self._seqs[i].is_finished for i in ids)
 
     def _dispatch(self, plan):
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))

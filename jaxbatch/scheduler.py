@@ -83,12 +83,15 @@ class Scheduler(SpeculativeScheduling):
         seq.finished_time = time.monotonic()
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style: drop the KV, keep the tokens; the sequence queues again."""
+        """Recompute-style: drop the KV, keep the tokens; the sequence queues again. One whose
+        token on device is certain to end it loses nothing (it finishes when the token is
+        read, never recomputed), so that is not counted as a preemption."""
+        if not self._ends_with_pending_token(seq):
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.append(seq)
 
     # ---- planning ------------------------------------------------------------------------
@@ -98,7 +101,7 @@ class Scheduler(SpeculativeScheduling):
         # Blocks the running sequences still need for what they hold plus one new token: an
         # admission may not eat into them, or it would only cause a preemption next step.
         outstanding = sum(self.blocks.num_missing_blocks(s.seq_id, s.num_tokens + 1)
-                          for s in self.running)
+                          for s in self.running if not self._ends_with_pending_token(s))
         now = time.monotonic()
         for seq in sorted(self.waiting, key=self._key):
             if not self.free_slots:
