@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of prompt prefixes already computed (on by default)")
+    s.add_argument("--prefix-cache-granularity", default="chunk", choices=["chunk", "block"],
+                   help="chunk: prefix hits in whole prefill chunks, outputs exactly as with "
+                        "the cache off; block: in whole blocks, as vLLM (short system prompts "
+                        "shared too)")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan each step while the previous one runs on the device (on by "
                         "default; outputs are the same without it)")
@@ -99,6 +103,7 @@ def engine_kwargs(args) -> dict:
                 prefill_chunk_size=args.prefill_chunk_size,
                 attention_backend=args.attention_backend, warmup=not args.no_warmup,
                 enable_prefix_caching=args.enable_prefix_caching,
+                prefix_cache_granularity=args.prefix_cache_granularity,
                 async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, num_processes=args.num_processes,

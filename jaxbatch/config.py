@@ -27,6 +27,12 @@ class SchedulerConfig:
     # Full blocks computed by full prefill chunks are kept, keyed by their prefix, and shared
     # by later prompts that start with the same tokens (jaxbatch/prefix_cache.py).
     enable_prefix_caching: bool = False
+    # "chunk": hits end on the request's own prefill-chunk boundaries and only blocks of full
+    # chunks are cached, so outputs are exactly those of a run without the cache. "block" (what
+    # vLLM does): hits end on any block boundary and every full block a prefill computes is
+    # cached, so short shared prefixes (a system prompt under a chunk) are shared too; what
+    # follows a hit is then chunked from the hit, which may move the logits' last bits.
+    prefix_cache_granularity: str = "chunk"
 
     def __post_init__(self):
         def fail(field, why):
@@ -54,12 +60,16 @@ class SchedulerConfig:
             fail("scheduling_policy", f"choose one of {', '.join(POLICIES)}")
         if self.batching not in BATCHING_MODES:
             fail("batching", f"choose one of {', '.join(BATCHING_MODES)}")
+        if self.prefix_cache_granularity not in ("chunk", "block"):
+            fail("prefix_cache_granularity", "choose 'chunk' or 'block'")
 
     @property
     def prefix_hit_granularity(self) -> int:
-        """Prefix hits end on a multiple of this many tokens: the request's own chunk
+        """Prefix hits end on a multiple of this many tokens. "chunk": the request's own chunk
         boundaries (whole blocks too), so what follows a hit is computed in exactly the chunks,
-        and to exactly the numbers, of a run without the cache."""
+        and to exactly the numbers, of a run without the cache. "block": any block boundary."""
+        if self.prefix_cache_granularity == "block":
+            return self.block_size
         return max(self.prefill_chunk_size, self.block_size)
 
     @property

@@ -60,6 +60,7 @@ class LLMEngine:
                  kv_cache_memory_bytes: int | None = None, warmup: bool = True,
                  compilation_cache: bool = True, kv_cache_dtype: str = "auto",
                  quantization: str | None = None, enable_prefix_caching: bool = True,
+                 prefix_cache_granularity: str = "chunk",
                  speculative_config: dict | None = None, async_scheduling: bool = True,
                  tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, num_processes: int = 1, process_id: int = 0,
@@ -69,7 +70,9 @@ class LLMEngine:
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `enable_prefix_caching` shares the KV of prompt prefixes already computed (outputs
-        are the same with it off; see jaxbatch/prefix_cache.py). `speculative_config`
+        are the same with it off; see jaxbatch/prefix_cache.py); `prefix_cache_granularity=
+        "block"` shares prefixes in whole blocks as vLLM does, not whole prefill chunks (see
+        SchedulerConfig). `speculative_config`
         ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
         verifies proposed tokens in the decode step; the tokens are the same without it
         (with a draft model's "draft_sampling": "sampled", their distribution is).
@@ -130,7 +133,8 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, block_size=block_size, num_blocks=num_blocks,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_size=chunk, scheduling_policy=scheduling_policy, batching=batching,
-            enable_prefix_caching=bool(enable_prefix_caching))
+            enable_prefix_caching=bool(enable_prefix_caching),
+            prefix_cache_granularity=prefix_cache_granularity)
         eos = tuple(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
@@ -399,6 +403,7 @@ class LLMEngine:
             "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
             "enable_prefix_caching": self.config.enable_prefix_caching,
+            "prefix_cache_granularity": self.config.prefix_cache_granularity,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "speculative_method": spec.method if spec else None,

@@ -184,8 +184,9 @@ class Scheduler(SpeculativeScheduling):
                                  and s.num_computed_tokens < limit for s in self.running)
 
     def _register_computed_blocks(self, seq: Sequence, chunk: PrefillChunk) -> None:
-        """After a full prefill chunk: its blocks hold exactly what a cold run computes for
-        this prefix (every earlier chunk of the run was full too, or came from the cache)."""
+        """The full blocks a prefill chunk completed. "chunk" granularity registers only full
+        chunks: their blocks hold exactly what a cold run computes for this prefix (every
+        earlier chunk of the run was full too, or came from the cache)."""
         bs = self.config.block_size
         end = chunk.start + len(chunk.token_ids)
         tokens = seq.tokens(0, end // bs * bs)
@@ -306,8 +307,9 @@ class Scheduler(SpeculativeScheduling):
             if seq is None or seq.is_finished:
                 continue
             seq.num_computed_tokens += len(chunk.token_ids)
-            if (self.blocks.prefix_index is not None
-                    and len(chunk.token_ids) == self.config.prefill_chunk_size):
+            if self.blocks.prefix_index is not None and (
+                    len(chunk.token_ids) == self.config.prefill_chunk_size
+                    or self.config.prefix_cache_granularity == "block"):
                 self._register_computed_blocks(seq, chunk)
         for entry in plan.decodes:
             seq = seqs.get(entry.seq_id)

@@ -211,3 +211,30 @@ def test_engines_sharing_a_runner_never_hit_each_others_overwritten_blocks(engin
     outs = run_all(on, PROMPTS, params)
     assert [result(o) for o in outs] == reference
     assert [o.num_cached_tokens for o in outs] == cold
+
+
+def test_block_granularity_shares_prefixes_shorter_than_a_chunk(engines, reference):
+    """prefix_cache_granularity="block" (vLLM's): hits on any block boundary, every full block
+    a prefill computed is cached (also those of the last, partial chunk), so a 17-token prompt
+    finds 16 cached tokens even from a 16-token one; tokens equal the cache-off run's."""
+    on, _ = engines
+    block = LLMEngine(loaded=on.loaded, runner=on.runner, enable_prefix_caching=True,
+                      prefix_cache_granularity="block", num_blocks=200, warmup=False,
+                      compilation_cache=False, **SETTINGS)
+    params = [sampling(i) for i in range(len(PROMPTS))]
+    cold = run_all(block, PROMPTS, params)
+    warm = run_all(block, PROMPTS, params)
+    assert [result(o) for o in cold] == reference
+    assert [result(o) for o in warm] == reference
+    bs = SETTINGS["block_size"]
+    assert [o.num_cached_tokens for o in warm] == [(len(p) - 1) // bs * bs for p in PROMPTS]
+    # Blocks of a partial last chunk count: after a 30-token prompt (one full chunk of 16, then
+    # 14 tokens), a longer prompt sharing them finds 28 (the chunk rule: 16).
+    for engine, expected in ((block, 28), (on, 16)):
+        engine.reset_prefix_cache()
+        run_all(engine, [BASE[:30]], [sampling(0)])
+        assert run_all(engine, [BASE[:40] + OTHER[:7]], [sampling(0)])[0].num_cached_tokens == expected
+    assert block.stats()["num_free_blocks"] == block.stats()["num_total_blocks"]
+    with pytest.raises(ValueError, match="prefix_cache_granularity"):
+        LLMEngine(loaded=on.loaded, runner=on.runner, prefix_cache_granularity="page",
+                  num_blocks=200, warmup=False, **SETTINGS)
