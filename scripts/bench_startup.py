@@ -104,10 +104,10 @@ def main(argv=None):
     for mode, r in results.items():
         w = r["warmup"]
         # Per executable: CPU seconds of the warm-up (lowering and compiling, every thread).
-        per = w["cpu_s"] / max(1, w["compiled"])
+        per = r["warmup_cpu_s"] / max(1, w["compiled"])
         lines.append(f"| {mode} | {r['llm_to_first_token_s']:.1f} | {r['load_s']:.1f} | "
                      f"{r['warmup_s']:.1f} | {r['warmup_cpu_s']:.1f} | {w['executables']} | "
-                     f"{w['from_store']} | "
+                     f"{w.get('from_store', 0)} | "
                      f"{w['lower_s']:.1f} | {w['compile_s']:.1f} | {per:.2f} | "
                      f"{r['loadavg'][0]:.1f} |")
     table = "\n".join(lines)
