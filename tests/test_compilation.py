@@ -120,7 +120,8 @@ def test_compiled_model_calls_update_the_pool_in_place(tiny, backend, stored, tm
 def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tmp_path):
     """Two runners with the same settings: the first compiles and fills JAX's persistent
     cache, the second (new function objects, so no in-memory hit) reads every executable back;
-    both give the same tokens."""
+    both give the same tokens and log-probabilities as a runner that stores nothing (plain
+    `jax.jit` lowering)."""
     import jax
     from jax import monitoring
     from jaxbatch import compile_cache
@@ -132,8 +133,9 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
     count = lambda name, since: sum(e == "/jax/compilation_cache/" + name for e in events[since:])
     settings = dict(max_num_seqs=2, max_model_len=48, seed=123)
     outputs = []
-    for attempt in range(2):
-        engine = LLMEngine(loaded=tiny, warmup=False, **settings)
+    for attempt in range(3):
+        engine = LLMEngine(loaded=tiny, warmup=False, compilation_cache=attempt < 2, **settings)
+        assert (engine.runner._store is None) == (attempt == 2)
         before = len(events)
         engine.warmup()
         if attempt == 1:
@@ -151,7 +153,7 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
                 if out.finished:
                     outputs.append((out.outputs[0].token_ids, out.outputs[0].logprobs))
         assert engine.stats()["num_compilations_after_warmup"] == 0
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit(tmp_path, caplog):
