@@ -227,8 +227,9 @@ class ModelRunner:
         whole warm-up, from_store the keys whose lowering was read back, not traced.
 
         Python's cyclic garbage collector is paused meanwhile: tracing allocates hundreds of
-        thousands of objects, which made it run (and walk every live object) over and over,
-        about 7 % of a cold warm-up's CPU time; what it would have freed waits until after."""
+        thousands of objects, which made it run (and walk every live object) about 260 times
+        for 30 keys, 0.9 s of a cold warm-up's 35 CPU seconds; what it would have freed waits
+        until after."""
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
