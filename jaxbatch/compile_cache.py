@@ -2,11 +2,13 @@
 
 A second start of the same model and settings then reads every executable from disk instead of
 compiling it. JAX keys it on the lowered HLO, the compile options, the backend and the jax
-version, so a changed model, setting or version simply misses. Each function is still traced
-and lowered at start (that is what the key is computed from). We tried storing serialized
-executables ourselves to skip that too: on XLA:CPU (jax 0.10.2) a deserialized executable can
-fail at run time ("Function wrapped_iota not found"), so only JAX's own cache is used.
-Turn it off with `LLM(..., compilation_cache=False)` or `JAXBATCH_COMPILATION_CACHE=0`.
+version, so a changed model, setting or version simply misses. The key is computed from a
+lowered module, so beside it the runner keeps each step's lowered function (`lowered_dir`,
+`lowered_store.py`): a second start reads those back instead of tracing the model again. We
+tried storing serialized executables ourselves instead: on XLA:CPU (jax 0.10.2) a deserialized
+executable can fail at run time ("Function wrapped_iota not found"), so executables are only
+ever stored and read by JAX's own cache.
+Turn both off with `LLM(..., compilation_cache=False)` or `JAXBATCH_COMPILATION_CACHE=0`.
 """
 from __future__ import annotations
 
@@ -35,3 +37,11 @@ def enable(directory: str | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _enabled_dir = directory
     return directory
+
+
+def lowered_dir() -> str | None:
+    """Where the runner keeps lowered step functions (`lowered_store.py`): beside JAX's cache,
+    None while the cache is off."""
+    if _enabled_dir is None or os.environ.get("JAXBATCH_COMPILATION_CACHE", "1") == "0":
+        return None
+    return os.path.join(os.path.dirname(_enabled_dir), "lowered")

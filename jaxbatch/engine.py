@@ -157,7 +157,9 @@ class LLMEngine:
                 from jaxbatch.parallel.sharding import TensorParallel
                 tp = TensorParallel(tensor_parallel_size, devices)
             runner = ModelRunner(mc, loaded.params, self.config, param_dtype, attention_backend,
-                                 kv_cache_dtype, tensor_parallel=tp)
+                                 kv_cache_dtype, tensor_parallel=tp,
+                                 lowered_dir=compile_cache.lowered_dir() if compilation_cache
+                                 else None)
         elif (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,
               params_are_quantized(runner.params)) != (

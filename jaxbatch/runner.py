@@ -10,13 +10,15 @@ Each engine step dispatches, without reading anything back in between:
   verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
                     of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
 Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front, in
-parallel (or loads them from JAX's persistent compilation cache: `compile_cache.py`); a
-compilation after warm-up is logged and counted as a bug (`compilations_after_warmup`).
+parallel (or loads them from JAX's persistent compilation cache: `compile_cache.py`, tracing
+nothing when the lowered functions are stored too: `lowered_store.py`); a compilation after
+warm-up is logged and counted as a bug (`compilations_after_warmup`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import gc
 import logging
 import os
 import time
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch import attention, kv_cache, sampler
+from jaxbatch import attention, kv_cache, lowered_store, sampler
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
@@ -72,10 +74,13 @@ def _prompt_logprobs_step(params, hidden, targets):
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
                  attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 tensor_parallel=None):
+                 tensor_parallel=None, lowered_dir: str | None = None):
         """`tensor_parallel`: a `jaxbatch.parallel.sharding.TensorParallel` that places the
         params and pool on its mesh and gives every compiled call its shardings; None on one
-        device (the default path, untouched by any of it)."""
+        device (the default path, untouched by any of it). `lowered_dir`: where the lowered
+        step functions are kept between starts (`lowered_store.py`; None: nowhere). Only
+        plain-jnp attention on one device uses it (Pallas kernels are custom calls that
+        `jax.export` refuses, and sharded calls carry shardings)."""
         if tensor_parallel is not None and (kv_cache_dtype != "auto" or _has_int8(params)):
             raise ValueError("tensor_parallel_size > 1 with an int8 KV cache or int8 weights "
                              "is not supported yet")
@@ -112,6 +117,11 @@ class ModelRunner:
         }
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
+        self._store = None
+        if lowered_dir is not None and self.tp is None and self.backend in ("xla", "reference"):
+            self._store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
+                model_cfg, sched_cfg, jnp.dtype(dtype).name, self.backend, kv_cache_dtype,
+                chunks_per_call))
         self._executables: dict[tuple, object] = {}
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
@@ -157,9 +167,14 @@ class ModelRunner:
     # ---- executables ---------------------------------------------------------------------
     def _lower(self, key: tuple, args):
         fn, donate, num_outputs = self._functions[key[0]]
+        donate_argnums = () if donate is None else (donate,)
+        if self._store is not None:
+            # The function variant is part of the stored key: a sampled draft's "sample" is
+            # sample_with_probs, with other outputs under the same kind.
+            variant = tuple(getattr(a, "__name__", "") for a in getattr(fn, "args", ()))
+            return self._store.lower(key + variant, fn, donate_argnums, args)
         shardings = {} if self.tp is None else self.tp.jit_shardings(args, donate, num_outputs)
-        return jax.jit(fn, donate_argnums=() if donate is None else (donate,),
-                       **shardings).lower(*args)
+        return jax.jit(fn, donate_argnums=donate_argnums, **shardings).lower(*args)
 
     def _run(self, key: tuple, args):
         exe = self._executables.get(key)
@@ -283,22 +298,49 @@ class ModelRunner:
 
     # ---- warm-up -------------------------------------------------------------------------
     def warmup(self, max_workers: int | None = None) -> float:
-        """Makes every key executable without running any: lowered one by one (tracing holds
-        the GIL), then compiled on a thread per core (XLA compiles with the GIL released;
-        with the persistent cache on, a compile is a cache read)."""
-        start = time.perf_counter()
+        """Makes every key executable without running any: lowered one by one on this thread
+        (tracing holds the GIL; a stored lowering is read instead), each compiled on a thread
+        per core as soon as it is lowered (XLA compiles with the GIL released; with the
+        persistent cache on, a compile is a cache read).
+
+        `warmup_report`: lower_s is this thread's time lowering, compile_s the rest of the
+        wall time (compiles not hidden behind lowering), cpu_s the process CPU seconds of the
+        whole warm-up, from_store the keys whose lowering was read back, not traced.
+
+        Python's cyclic garbage collector is paused meanwhile: tracing allocates hundreds of
+        thousands of objects, which made it run (and walk every live object) about 260 times
+        for 30 keys, 0.9 s of a cold warm-up's 35 CPU seconds; what it would have freed waits
+        until after."""
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._warmup(max_workers)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _warmup(self, max_workers: int | None) -> float:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        hits_before = self._store.hits if self._store is not None else 0
         missing = [key for key in self.bucket_shapes() if key not in self._executables]
-        lowered = [self._lower(key, self._example_args(key)) for key in missing]
-        lowered_at = time.perf_counter()
         workers = max_workers or _compile_threads()
+        lower_s = 0.0
         with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-            compiled = list(threads.map(lambda low: low.compile(), lowered))
+            pending = []
+            for key in missing:
+                t = time.perf_counter()
+                lowered = self._lower(key, self._example_args(key))
+                lower_s += time.perf_counter() - t
+                pending.append(threads.submit(lowered.compile))
+            compiled = [f.result() for f in pending]
         self._executables.update(zip(missing, compiled))
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
-        self.warmup_report = {"executables": len(self.bucket_shapes()), "compiled": len(missing),
-                              "lower_s": lowered_at - start,
-                              "compile_s": time.perf_counter() - lowered_at, "threads": workers}
+        self.warmup_report = {
+            "executables": len(self.bucket_shapes()), "compiled": len(missing),
+            "from_store": (self._store.hits if self._store is not None else 0) - hits_before,
+            "lower_s": lower_s, "compile_s": elapsed - lower_s,
+            "cpu_s": time.process_time() - cpu_start, "threads": workers}
         self.warmed_up = True
         return elapsed
 

@@ -5,10 +5,14 @@
 Each measurement is a fresh Python process (what a user's second start is), in a private cache
 root that holds the converted weights but, depending on the mode, no compiled code:
   cold         nothing compiled on disk: every bucket is traced, lowered and compiled
-  warm         JAX's persistent compilation cache filled by the cold start: traced and
-               lowered, then read from disk instead of compiled
+  warm         what the cold start left: each bucket's lowered function read back
+               (`jaxbatch/lowered_store.py`) and its executable read from JAX's persistent
+               compilation cache; nothing traced or compiled
+  traced       (--traced) JAX's cache only, the lowered functions removed: every bucket traced
+               and lowered again, then read from the cache (the warm start before the store)
 plus `serial`: the cold compile on one thread, for the per-executable compile time. Reports
-load, warm-up (lower / compile split), executables, and time to the first token.
+load, warm-up (wall and process CPU seconds, lower / compile split), executables, time to the
+first token, and the host's 1-minute load average at the end of each start.
 """
 from __future__ import annotations
 
@@ -24,23 +28,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, sys, time
-start = time.perf_counter()
+import json, os, sys, time
+start, cpu_start = time.perf_counter(), time.process_time()
 import jax
 from jaxbatch import LLM, SamplingParams
 kwargs = json.loads(sys.argv[1])
 workers = kwargs.pop("warmup_workers", None)
 llm = LLM(warmup=False, **kwargs)
 engine = llm.llm_engine
-ready_load = time.perf_counter()
+ready_load, cpu_load = time.perf_counter(), time.process_time()
 engine.runner.warmup(max_workers=workers)
-ready = time.perf_counter()
+ready, cpu_ready = time.perf_counter(), time.process_time()
 llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 first = time.perf_counter()
 stats = engine.stats()
 print("RESULT " + json.dumps({
     "import_and_load_s": ready_load - start, "load_s": engine.load_seconds,
-    "warmup_s": ready - ready_load, "llm_to_first_token_s": first - start,
+    "warmup_s": ready - ready_load, "warmup_cpu_s": cpu_ready - cpu_load,
+    "cpu_to_first_token_s": time.process_time() - cpu_start, "loadavg": os.getloadavg(),
+    "llm_to_first_token_s": first - start,
     "first_request_s": first - ready, "warmup": engine.runner.warmup_report,
     "compilations_after_warmup": stats["num_compilations_after_warmup"]}))
 """
@@ -61,6 +67,11 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--skip-serial", action="store_true", help="skip the one-thread cold compile")
+    ap.add_argument("--traced", action="store_true",
+                    help="also start from JAX's cache without the stored lowerings")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="cold and warm starts each this many times (timings on a shared "
+                         "machine are noisy; CPU seconds are reported beside wall time)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     kwargs = {"max_num_seqs": args.max_num_seqs}
@@ -70,27 +81,35 @@ def main(argv=None):
     from jaxbatch.model.loader import cache_root, load_model
     load_model(dtype="float32")                      # converted weights in the user cache
     weights = [p for p in Path(cache_root()).iterdir()
-               if p.is_dir() and p.name != "xla"]
+               if p.is_dir() and p.name not in ("xla", "lowered")]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in weights:                            # weights only: no compiled code yet
             shutil.copytree(p, Path(tmp) / p.name)
         modes = [] if args.skip_serial else [("serial", {"warmup_workers": 1})]
-        modes += [("cold", {}), ("warm", {})]
+        for i in range(args.repeats):
+            tag = "" if args.repeats == 1 else f" {i + 1}"
+            modes += [("cold" + tag, {}), ("warm" + tag, {})]
+            modes += [("traced" + tag, {})] if args.traced else []
         for mode, extra in modes:
-            if mode in ("serial", "cold"):
+            if mode.startswith(("serial", "cold")):
                 shutil.rmtree(Path(tmp) / "xla", ignore_errors=True)
+            if mode.startswith(("serial", "cold", "traced")):
+                shutil.rmtree(Path(tmp) / "lowered", ignore_errors=True)
             print(f"[bench_startup] {mode} ...", flush=True)
             results[mode] = run_child(tmp, {**kwargs, **extra})
-    lines = ["| start | LLM() to first token s | load s | warm-up s | executables | "
-             "lower s | compile s | per executable s |", "|---" * 8 + "|"]
+    lines = ["| start | LLM() to first token s | load s | warm-up s | warm-up CPU s | "
+             "executables | from store | lower s | compile s | CPU s per executable | "
+             "load average |", "|---" * 11 + "|"]
     for mode, r in results.items():
         w = r["warmup"]
-        # Per executable: lowering plus compile time on one core (exact for `serial`).
-        per = (w["lower_s"] + w["compile_s"] * w["threads"]) / max(1, w["compiled"])
+        # Per executable: CPU seconds of the warm-up (lowering and compiling, every thread).
+        per = r["warmup_cpu_s"] / max(1, w["compiled"])
         lines.append(f"| {mode} | {r['llm_to_first_token_s']:.1f} | {r['load_s']:.1f} | "
-                     f"{r['warmup_s']:.1f} | {w['executables']} | {w['lower_s']:.1f} | "
-                     f"{w['compile_s']:.1f} | {per:.2f} |")
+                     f"{r['warmup_s']:.1f} | {r['warmup_cpu_s']:.1f} | {w['executables']} | "
+                     f"{w.get('from_store', 0)} | "
+                     f"{w['lower_s']:.1f} | {w['compile_s']:.1f} | {per:.2f} | "
+                     f"{r['loadavg'][0]:.1f} |")
     table = "\n".join(lines)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "startup.json").write_text(json.dumps(

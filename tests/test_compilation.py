@@ -92,13 +92,20 @@ def _pool_aliases(hlo_text: str) -> list[int]:
     return [int(p) for p in re.findall(r"\((\d+), \{\}", aliases.group(1))] if aliases else []
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
-def test_compiled_model_calls_update_the_pool_in_place(tiny, backend):
+@pytest.mark.parametrize("backend,stored", [("xla", False), ("xla", True),
+                                            ("pallas_interpret", False)])
+def test_compiled_model_calls_update_the_pool_in_place(tiny, backend, stored, tmp_path):
     """The pool goes in donated and comes back aliased to its input buffers, and no
-    instruction of the compiled step copies a pool-sized array."""
+    instruction of the compiled step copies a pool-sized array (also when the step is lowered
+    from its stored export: `lowered_store.py`)."""
     engine = LLMEngine(loaded=tiny, max_num_seqs=2, max_model_len=64, attention_backend=backend,
                        warmup=False, compilation_cache=False)
     runner = engine.runner
+    if stored:
+        from jaxbatch.runner import ModelRunner
+        runner = ModelRunner(runner.model_cfg, tiny.params, runner.cfg, runner.pool[0].dtype,
+                             backend, lowered_dir=str(tmp_path))
+        assert runner._store is not None
     pool_shape = "f32[" + ",".join(str(d) for d in runner.pool[0].shape) + "]"
     num_param_leaves = len(__import__("jax").tree.leaves(runner.params))
     keys = [k for k in runner.layout.bucket_shapes()]
@@ -113,7 +120,8 @@ def test_compiled_model_calls_update_the_pool_in_place(tiny, backend):
 def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tmp_path):
     """Two runners with the same settings: the first compiles and fills JAX's persistent
     cache, the second (new function objects, so no in-memory hit) reads every executable back;
-    both give the same tokens."""
+    both give the same tokens and log-probabilities as a runner that stores nothing (plain
+    `jax.jit` lowering)."""
     import jax
     from jax import monitoring
     from jaxbatch import compile_cache
@@ -125,15 +133,19 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
     count = lambda name, since: sum(e == "/jax/compilation_cache/" + name for e in events[since:])
     settings = dict(max_num_seqs=2, max_model_len=48, seed=123)
     outputs = []
-    for attempt in range(2):
-        engine = LLMEngine(loaded=tiny, warmup=False, **settings)
+    for attempt in range(3):
+        engine = LLMEngine(loaded=tiny, warmup=False, compilation_cache=attempt < 2, **settings)
+        assert (engine.runner._store is None) == (attempt == 2)
         before = len(events)
         engine.warmup()
         if attempt == 1:
             # Every compile that reached the disk cache found its executable there (functions
-            # shared by both runners may also hit JAX's in-memory cache first).
+            # shared by both runners may also hit JAX's in-memory cache first), and nothing
+            # was traced: every lowering was read back from the store.
             assert count("cache_hits", before) >= len(engine.runner.layout.bucket_shapes())
             assert count("cache_misses", before) == 0
+            report = engine.runner.warmup_report
+            assert report["from_store"] == report["compiled"] == len(engine.runner.bucket_shapes())
         engine.add_request("a", [9, 8, 7, 6], SamplingParams(temperature=0.8, seed=1, max_tokens=6,
                                                             logprobs=2))
         while engine.has_unfinished_requests():
@@ -141,4 +153,42 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
                 if out.finished:
                     outputs.append((out.outputs[0].token_ids, out.outputs[0].logprobs))
         assert engine.stats()["num_compilations_after_warmup"] == 0
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit(tmp_path, caplog):
+    """A second store over the same directory lowers from the stored export (same numbers as a
+    plain jit); an entry for other shapes, or an unreadable one, is a miss, replaced."""
+    import jax
+    import jax.numpy as jnp
+    from jaxbatch.lowered_store import LoweredStore
+
+    def fn(params, x):
+        return jnp.tanh(x @ params["w"]) + params["b"], x * 2
+
+    params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "b": np.ones(4, np.float32)}
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    expected = jax.jit(fn)(params, x)
+    first = LoweredStore(str(tmp_path), "fp")
+    out = first.lower(("f", 2), fn, (1,), (params, x)).compile()(params, jnp.asarray(x))
+    assert first.hits == 0
+    second = LoweredStore(str(tmp_path), "fp")
+    out2 = second.lower(("f", 2), fn, (1,), (params, x)).compile()(params, jnp.asarray(x))
+    assert second.hits == 1
+    for a, b, c in zip(expected, out, out2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    # Another fingerprint does not see it.
+    assert LoweredStore(str(tmp_path), "other")._load(("f", 2), (params, x)) is None
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.lowered_store"):
+        # Same key, other shapes: a miss, then replaced by the new export.
+        x3 = np.ones((5, 3), np.float32)
+        third = LoweredStore(str(tmp_path), "fp")
+        assert third.lower(("f", 2), fn, (), (params, x3)).compile()(params, x3)[0].shape == (5, 4)
+        assert third.hits == 0 and third._load(("f", 2), (params, x3)) is not None
+        # An unreadable entry: a miss.
+        with open(third._path(("f", 2)), "wb") as f:
+            f.write(b"not a pickle")
+        assert third._load(("f", 2), (params, x3)) is None
+    assert any("other argument shapes" in r.message for r in caplog.records)
+    assert any("unreadable" in r.message for r in caplog.records)
