@@ -172,7 +172,12 @@ class ModelRunner:
             # The function variant is part of the stored key: a sampled draft's "sample" is
             # sample_with_probs, with other outputs under the same kind.
             variant = tuple(getattr(a, "__name__", "") for a in getattr(fn, "args", ()))
-            return self._store.lower(key + variant, fn, donate_argnums, args)
+            try:
+                return self._store.lower(key + variant, fn, donate_argnums, args)
+            except Exception:               # noqa: BLE001 - what export refuses, jit may not
+                logger.warning("lowering %s from jax.export failed; storing no lowered steps",
+                               key, exc_info=True)
+                self._store = None
         shardings = {} if self.tp is None else self.tp.jit_shardings(args, donate, num_outputs)
         return jax.jit(fn, donate_argnums=donate_argnums, **shardings).lower(*args)
 
@@ -321,7 +326,8 @@ class ModelRunner:
 
     def _warmup(self, max_workers: int | None) -> float:
         start, cpu_start = time.perf_counter(), time.process_time()
-        hits_before = self._store.hits if self._store is not None else 0
+        store = self._store
+        hits_before = store.hits if store is not None else 0
         missing = [key for key in self.bucket_shapes() if key not in self._executables]
         workers = max_workers or _compile_threads()
         lower_s = 0.0
@@ -338,7 +344,7 @@ class ModelRunner:
         self.compile_seconds += elapsed
         self.warmup_report = {
             "executables": len(self.bucket_shapes()), "compiled": len(missing),
-            "from_store": (self._store.hits if self._store is not None else 0) - hits_before,
+            "from_store": store.hits - hits_before if store is not None else 0,
             "lower_s": lower_s, "compile_s": elapsed - lower_s,
             "cpu_s": time.process_time() - cpu_start, "threads": workers}
         self.warmed_up = True

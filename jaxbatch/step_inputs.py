@@ -26,8 +26,9 @@ from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, de
 MIN_PREFILL_BUCKET = 16
 MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
-# Prefill calls attend over at least this many keys (whole pages): on CPU a 16- or 32-token call
-# over 16 or 32 keys took as long as over 64 (within 2 %), and three fewer executables compile.
+# Prefill calls attend over at least this many keys (whole pages): three fewer executables to
+# compile, for 2-5 % on a 16- or 32-token call whose context is under 64 tokens (a prompt that
+# short, a step on CPU: scripts/bench_step_keys.py prefill,16,1 prefill,16,4 ...).
 MIN_PREFILL_CONTEXT = 64
 assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
 

@@ -192,3 +192,21 @@ def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit
         assert third._load(("f", 2), (params, x3)) is None
     assert any("other argument shapes" in r.message for r in caplog.records)
     assert any("unreadable" in r.message for r in caplog.records)
+
+
+def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog):
+    """Whatever jax.export refuses costs the store, never the warm-up."""
+    from jaxbatch.runner import ModelRunner
+    engine = LLMEngine(loaded=tiny, max_num_seqs=2, max_model_len=48, warmup=False,
+                       compilation_cache=False)
+    runner = ModelRunner(engine.runner.model_cfg, tiny.params, engine.runner.cfg,
+                         engine.runner.pool[0].dtype, lowered_dir=str(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise ValueError("cannot export this")
+    runner._store.lower = refuse
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.runner"):
+        runner.warmup()
+    assert runner._store is None and runner.warmup_report["from_store"] == 0
+    assert runner.num_compilations == len(runner.bucket_shapes())
+    assert any("jax.export failed" in r.message for r in caplog.records)

@@ -1,0 +1,69 @@
+"""Step time of chosen executable keys on the embedded model, for pricing a bucket change.
+
+    python scripts/bench_step_keys.py "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
+
+Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
+or not the bucket rules list it, and run on warm-up's placeholder inputs (every input padding:
+the arithmetic of a real call of that shape), the keys taking turns so that a shared machine's
+load drifts over all of them alike. Reports min and median wall and process CPU milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("keys", nargs="+", help="kind,a[,b], e.g. decode,32,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--out", default=None, help="JSON file for the figures")
+    args = ap.parse_args(argv)
+    import jax
+    from jaxbatch import LLM
+    runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
+                 compilation_cache=False).llm_engine.runner
+    keys = [(k.split(",")[0],) + tuple(int(x) for x in k.split(",")[1:]) for k in args.keys]
+    exes = {k: runner._lower(k, runner._example_args(k)).compile() for k in keys}
+
+    def run_once(key):
+        if key[0] == "sample":
+            n = key[1]
+            logits = jax.numpy.zeros((n, runner.model_cfg.vocab_size))
+            return jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n)))
+        out = exes[key](runner.params, runner.pool, *runner.layout.placeholder_call(*key).args)
+        jax.block_until_ready(out)
+        runner.pool = out[-1]
+
+    times = {k: ([], []) for k in keys}
+    for i in range(args.reps + 1):                    # the first round is untimed
+        for key in keys if i % 2 else keys[::-1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            run_once(key)
+            if i:
+                times[key][0].append(time.perf_counter() - wall)
+                times[key][1].append(time.process_time() - cpu)
+    report = {}
+    for key in keys:
+        walls, cpus = times[key]
+        report[",".join(map(str, key))] = {
+            "min_ms": 1e3 * min(walls), "median_ms": 1e3 * statistics.median(walls),
+            "cpu_median_ms": 1e3 * statistics.median(cpus)}
+        print(f"{key}: " + "  ".join(f"{n} {v:.1f}" for n, v in
+                                     report[",".join(map(str, key))].items()))
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
