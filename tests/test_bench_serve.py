@@ -175,7 +175,10 @@ def test_rate_concurrency_goodput_and_failures(fake):
     want = bench_serve.arrival_offsets(workload, 20.0)
     assert want[0] == 0 and all(b > a for a, b in zip(want, want[1:]))
     assert [r["scheduled"] for r in reqs] == pytest.approx(want)
-    assert all(0 <= r["sent"] - r["scheduled"] < 0.05 for r in reqs)
+    # Sent on schedule: never early; typically within a few ms, but a busy 2-core CI machine
+    # can delay one event-loop wake-up by a few hundred ms (a 50 ms bound failed once there).
+    lags = sorted(r["sent"] - r["scheduled"] for r in reqs)
+    assert lags[0] >= 0 and lags[len(lags) // 2] < 0.05 and lags[-1] < 1.0
     assert out["summary"]["completed"] == len(workload)
     assert out["summary"]["good_requests"] == 0           # TTFT 150 ms > the 50 ms SLO
     assert "max_tokens" in fake.bodies[-1] and "prompt" in fake.bodies[-1]
