@@ -3,7 +3,9 @@ pool, which is donated into every model call and rebound to what comes back.
 
 Each engine step dispatches, without reading anything back in between:
   model calls       ("decode", rows, items|pages) and ("prefill", tokens, pages), laid out by
-                    `step_inputs.StepLayout`: forward pass -> logits of the sampled rows
+                    `step_inputs.StepLayout`: forward pass -> logits of the sampled rows (on
+                    the xla backend items and pages are fixed per rows or tokens: its
+                    attention loops over the context in use at run time)
   sampling          ("sample", rows): one executable per row count, shared by every model call
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask

@@ -5,10 +5,13 @@ An engine step makes at most two kinds of model call:
   decode   one token for each decoding sequence, rows padded to a power of two (at most
            next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
            rows, so a half-empty slot array should not pay for the empty half.
-           Attention inputs are padded to a bucket: the total pages in use (xla work items) or
-           the longest block table (pallas, reference).
+           Attention inputs: the xla backend's work items, sized for the longest contexts
+           the rows can have (its attention loops over the items in use at run time, so the
+           key is rows only); the other backends' block tables, padded to a page bucket.
   prefill  the step's prefill chunks packed into one call (more only when they overflow the
-           largest token bucket or MAX_CHUNKS_PER_CALL), tokens and pages padded to buckets.
+           largest token bucket or MAX_CHUNKS_PER_CALL), tokens padded to a bucket; xla's tile
+           tables span max_pages_per_seq (its attention stops at the call's last position),
+           the others' block tables a page bucket.
 Buckets are powers of two, so the set of shapes is small and known (`bucket_shapes`).
 Block ids in every array are layer 0's; the model shifts them per layer.
 """
@@ -20,15 +23,13 @@ import numpy as np
 
 from jaxbatch.config import SchedulerConfig, next_power_of_two
 from jaxbatch.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
-from pallas_kernels.xla_paged_attention import (PAGES_PER_ITEM, PREFILL_TILE, decode_work_items,
-                                                num_decode_items)
+from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
 
 MIN_PREFILL_BUCKET = 16
 MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
-# Prefill calls attend over at least this many keys (whole pages): three fewer executables to
-# compile, for 2-5 % on a 16- or 32-token call whose context is under 64 tokens (a prompt that
-# short, a step on CPU: scripts/bench_step_keys.py prefill,16,1 prefill,16,4 ...).
+# Block-table backends (pallas, reference): prefill calls attend over at least this many keys
+# (whole pages), for fewer (tokens, pages) executables to compile.
 MIN_PREFILL_CONTEXT = 64
 assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
 
@@ -77,8 +78,9 @@ class StepLayout:
     def max_decode_items(self) -> int:
         return next_power_of_two(self.cfg.max_num_seqs * self.max_items_per_seq)
 
-    def decode_item_bucket(self, num_items: int) -> int:
-        return min(next_power_of_two(num_items), self.max_decode_items)
+    def decode_item_capacity(self, rows: int) -> int:
+        """Work items of a decode call of `rows` rows: room for every row at full length."""
+        return min(next_power_of_two(rows * self.max_items_per_seq), self.max_decode_items)
 
     def decode_row_bucket(self, num_decodes: int) -> int:
         return min(next_power_of_two(num_decodes), next_power_of_two(self.cfg.max_num_seqs))
@@ -119,16 +121,15 @@ class StepLayout:
         shapes = []
         for rows in self.decode_row_buckets():
             if self.work_lists:
-                # n rows in (rows/2, rows] need between n and n * max_items_per_seq items.
-                size = self.decode_item_bucket(rows)
-                while size <= self.decode_item_bucket(rows * self.max_items_per_seq):
-                    shapes.append(("decode", rows, size))
-                    size *= 2
+                shapes.append(("decode", rows, self.decode_item_capacity(rows)))
             else:
                 shapes += [("decode", rows, p) for p in page_buckets]
         for t in self.prefill_token_buckets():
-            shapes += [("prefill", t, p) for p in page_buckets
-                       if p == self.prefill_page_bucket(t, p)]
+            if self.work_lists:
+                shapes.append(("prefill", t, self.max_page_bucket))
+            else:
+                shapes += [("prefill", t, p) for p in page_buckets
+                           if p == self.prefill_page_bucket(t, p)]
         return shapes
 
     def executable_keys(self) -> list[tuple]:
@@ -172,7 +173,7 @@ class StepLayout:
             lengths[i] = position + 1
             rows[i] = row
         if self.work_lists:
-            items = self.decode_item_bucket(num_decode_items(lengths, bs))
+            items = self.decode_item_capacity(b)
             meta = decode_work_items([(i, e[4], e[3] + 1) for i, e in enumerate(entries)],
                                      b, bs, items) + (lengths,)
             size = items
@@ -212,7 +213,8 @@ class StepLayout:
             used += -(-len(chunk.token_ids) // align) * align
         t = self.prefill_bucket(used)
         max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
-        pages = self.prefill_page_bucket(t, max_pages)
+        pages = (self.max_page_bucket if self.work_lists
+                 else self.prefill_page_bucket(t, max_pages))
         s = self.chunks_per_call
 
         tokens = np.zeros(t, np.int32)

@@ -4,8 +4,11 @@
 
 Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
 or not the bucket rules list it, and run on warm-up's placeholder inputs (every input padding:
-the arithmetic of a real call of that shape), the keys taking turns so that a shared machine's
-load drifts over all of them alike. Reports min and median wall and process CPU milliseconds.
+the arithmetic of a real call of that shape, except attention on the xla backend, whose loop
+over the context in use runs no iteration there), the keys taking turns so that a shared
+machine's load drifts over all of them alike. Reports min and median wall and process CPU
+milliseconds. Keys are listed by `runner.bucket_shapes()`; for xla, ("decode", rows, items)
+and ("prefill", tokens, pages) with the items and pages it lists.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def main(argv=None):
             n = key[1]
             logits = jax.numpy.zeros((n, runner.model_cfg.vocab_size))
             return jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n)))
-        out = exes[key](runner.params, runner.pool, *runner.layout.placeholder_call(*key).args)
+        out = exes[key](*runner._model_args(key, runner.layout.placeholder_call(*key).args))
         jax.block_until_ready(out)
         runner.pool = out[-1]
 

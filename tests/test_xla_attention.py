@@ -232,6 +232,8 @@ PREFILL_CASES = [
     (53, 8, 2, 128, 16, jnp.float32, [(16, 17), (0, 33), (3, 14), (50, 2)], 2),
     (54, 9, 3, 128, 16, jnp.bfloat16, [(5, 27), (0, 3), (64, 16)], 0),
     (55, 4, 4, 128, 32, jnp.bfloat16, [(33, 7), (0, 19), (1, 45), (80, 12)], 1),
+    # contexts of several loop blocks (64 keys each at this size), ending mid-block
+    (56, 9, 3, 64, 16, jnp.float32, [(300, 20), (0, 40), (130, 5)], 1),
 ]
 
 @pytest.mark.parametrize("seed,num_heads,num_kv_heads,head_dim,block_size,dtype,chunks,extra",
