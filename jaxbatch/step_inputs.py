@@ -12,7 +12,8 @@ An engine step makes at most two kinds of model call:
            largest token bucket or MAX_CHUNKS_PER_CALL), tokens padded to a bucket; xla's tile
            tables span max_pages_per_seq (its attention stops at the call's last position),
            the others' block tables a page bucket.
-Buckets are powers of two, so the set of shapes is small and known (`bucket_shapes`).
+Buckets are powers of two (and, for xla's prefill tokens, 1.5x steps between them), so the set
+of shapes is small and known (`bucket_shapes`).
 Block ids in every array are layer 0's; the model shifts them per layer.
 """
 from __future__ import annotations
@@ -221,9 +222,11 @@ class StepLayout:
             q_starts.append(used)
             used += -(-len(chunk.token_ids) // align) * align
         t = self.prefill_bucket(used)
-        max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
-        pages = (self.max_page_bucket if self.work_lists
-                 else self.prefill_page_bucket(t, max_pages))
+        if self.work_lists:
+            pages = self.max_page_bucket
+        else:
+            max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
+            pages = self.prefill_page_bucket(t, max_pages)
         s = self.chunks_per_call
 
         tokens = np.zeros(t, np.int32)

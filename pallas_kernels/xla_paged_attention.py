@@ -76,7 +76,10 @@ def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, 
 # for the longest context its rows may ever have, so one executable serves every context length
 # (the runner's buckets are rows or tokens only), and a block's gathered keys and values are
 # consumed while they are still in cache (35-40 % less prefill attention time on this CPU than
-# gathering the whole context first).
+# gathering the whole context first). The trip count is computed on the device; on a GPU (this
+# backend is the fallback where Pallas cannot lower) a while loop reads its condition back each
+# iteration (not measured yet: no GPU was lent when this was written); the Pallas kernels have
+# no such loop.
 
 MAX_ITEMS_PER_BLOCK = 16          # decode: 16 items of 8 pages = 2048 keys a loop iteration
 MIN_PREFILL_BLOCK_KEYS = 64       # prefill: keys a loop iteration, growing with the call's
