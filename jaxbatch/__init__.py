@@ -14,9 +14,9 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOut
 def __getattr__(name):
     # Lazy, so the scheduler's tests can import jaxbatch.* without pulling in JAX.
     if name == "LLM":
-        from jaxbatch.llm import LLM
+        from jaxbatch.entrypoints.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from jaxbatch.engine import LLMEngine
+        from jaxbatch.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)

@@ -1,6 +1,6 @@
-"""`python -m jaxbatch serve ...`: the same as the `jaxbatch` console script (jaxbatch/cli.py)."""
+"""`python -m jaxbatch serve ...`: the same as the `jaxbatch` console script (jaxbatch/entrypoints/cli.py)."""
 import sys
 
-from jaxbatch.cli import main
+from jaxbatch.entrypoints.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ Pallas' Triton backend is deprecated from jax 0.11 and will be removed; where it
 `jax.experimental.pallas.triton` does not import or `pallas_call` raises NotImplementedError
 while lowering. `triton_unavailable_reason()` tries what the engine would do (import, then
 lower a tiny decode and ragged kernel for the GPU) and says why it fails, or None if it works;
-`jaxbatch.attention.resolve_backend` uses it to pick `pallas` or fall back to `xla`.
+`jaxbatch.worker.attention.resolve_backend` uses it to pick `pallas` or fall back to `xla`.
 
 Lowering for cuda on a machine without a GPU (tests, CI): jax 0.10 lowers Triton kernels with
 `lowering_platforms=("cuda",)` alone; jax 0.11 asks the target GPU's compute capability and

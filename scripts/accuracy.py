@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxbatch import attention, kv_cache  # noqa: E402
+from jaxbatch.worker import attention, kv_cache  # noqa: E402
 from jaxbatch.model import llama  # noqa: E402
 from jaxbatch.model.loader import load_model  # noqa: E402
 from jaxbatch.model.rope import inverse_frequencies  # noqa: E402
@@ -118,7 +118,7 @@ def teacher_forced(models, cfg, dtype, ids, window, chunk):
 
 def greedy_side_by_side(loaded_by_quant, max_tokens):
     from jaxbatch import LLM, SamplingParams
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     texts, ids = {}, {}
     for name, (kv_dtype, quant) in VARIANTS.items():

@@ -229,7 +229,7 @@ def step_time_split(steps, step_seconds) -> dict:
 # ==== jaxbatch ====================================================================================
 
 def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=None, **kw):
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     return LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
                      batching=batching, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
                      warmup=False, **kw)
@@ -517,8 +517,8 @@ def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_b
 def bench_gpu(args, entries) -> dict:
     """Random-weight Llama shapes (bf16), token-id prompts, continuous vs static, MBU."""
     import jax
-    from jaxbatch import gpu_e2e
-    from jaxbatch.kv_cache import bytes_per_block
+    from jaxbatch.benchmarks import gpu_e2e
+    from jaxbatch.worker.kv_cache import bytes_per_block
     from jaxbatch.model.quantize import quantize_params
     models = args.gpu_models or (["tiny"] if args.dry_run else ["1B", "8B"])
     copy_bytes = (8 << 20) if args.dry_run else (1 << 30)
@@ -779,7 +779,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--gpu-models", nargs="+", default=None,
-                    help="--device gpu: shapes from jaxbatch.gpu_e2e.MODEL_SHAPES (1B 8B)")
+                    help="--device gpu: shapes from gpu_e2e.MODEL_SHAPES (1B 8B)")
     ap.add_argument("--dry-run", action="store_true",
                     help="--device gpu on CPU with a tiny random model and short prompts")
     ap.add_argument("--xla-cache", default=None,

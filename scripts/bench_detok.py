@@ -4,7 +4,7 @@
 
 "before": what LLMEngine._apply_stop_strings did until the incremental detokenizer: decode the
 whole output every step, then search the whole text for the stop strings (O(n) per token).
-"after": jaxbatch.detokenizer.IncrementalDetokenizer, as the engine now calls it every step
+"after": jaxbatch.engine.detokenizer.IncrementalDetokenizer, as the engine now calls it every step
 (update + the text a step's output carries). Both run on the embedded model's tokenizer over
 the same token stream (real multilingual text, so multi-byte characters are split across
 tokens) with two stop strings that never match, so the whole output is searched.
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxbatch.detokenizer import IncrementalDetokenizer  # noqa: E402
+from jaxbatch.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 TEXT = ("The river that crosses the old city carried barges of grain, wine and timber. "
         "Café, naïve, jalapeño — 日本語のテキスト, 中文文本, 한국어 🙂🎉 ∑∫√∞. ")

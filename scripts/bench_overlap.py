@@ -98,7 +98,7 @@ def decode_run(engine, slots=16, context=200, steps=25, host_delay_ms=0.0) -> di
 
 
 def bench_overlap(loaded, args) -> dict:
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     entries = load_prompts()
     prompts = encode_prompts(entries, loaded.tokenizer)
     requests = offline_requests(prompts, [e["kind"] for e in entries], args.num_requests,

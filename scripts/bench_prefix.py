@@ -108,7 +108,7 @@ def run_multi_turn(engine, tokenizer, questions, conversations, turns, output_le
 
 
 def build_engines(loaded, slots, max_model_len, chunk, warmup=True):
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     on = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
                    prefill_chunk_size=chunk, enable_prefix_caching=True, warmup=warmup)
     off = LLMEngine(loaded=loaded, runner=on.runner, max_num_seqs=slots,

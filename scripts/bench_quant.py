@@ -36,9 +36,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxbatch import SamplingParams, attention  # noqa: E402
-from jaxbatch.engine import LLMEngine  # noqa: E402
-from jaxbatch.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block  # noqa: E402
+from jaxbatch import SamplingParams  # noqa: E402
+from jaxbatch.worker import attention  # noqa: E402
+from jaxbatch.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxbatch.worker.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block  # noqa: E402
 from jaxbatch.model import llama  # noqa: E402
 from jaxbatch.model.loader import load_model  # noqa: E402
 from jaxbatch.model.quantize import quantize_params  # noqa: E402

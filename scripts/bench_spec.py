@@ -100,7 +100,7 @@ def decode_step_ms_by_rows(engine, rows_list, repeats=5) -> dict:
 
 
 def bench_spec(loaded, args) -> dict:
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
             "max_batch_size": args.max_batch_size}
     on = LLMEngine(loaded=loaded, max_num_seqs=16, max_model_len=2048, speculative_config=spec)

@@ -6,7 +6,7 @@ Each measurement is a fresh Python process (what a user's second start is), in a
 root that holds the converted weights but, depending on the mode, no compiled code:
   cold         nothing compiled on disk: every bucket is traced, lowered and compiled
   warm         what the cold start left: each bucket's lowered function read back
-               (`jaxbatch/lowered_store.py`) and its executable read from JAX's persistent
+               (`jaxbatch/worker/lowered_store.py`) and its executable read from JAX's persistent
                compilation cache; nothing traced or compiled
   traced       (--traced) JAX's cache only, the lowered functions removed: every bucket traced
                and lowered again, then read from the cache (the warm start before the store)

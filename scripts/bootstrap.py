@@ -105,7 +105,7 @@ def main() -> int:
                                env=env)
     setup()
     if what == "demo":
-        return subprocess.call([PY, "-m", "jaxbatch.demo", *rest], cwd=ROOT)
+        return subprocess.call([PY, "-m", "jaxbatch.entrypoints.demo", *rest], cwd=ROOT)
     if what == "test":
         return subprocess.call([PY, "-m", "pytest", "-q", *rest], cwd=ROOT)
     return 0

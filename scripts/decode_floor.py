@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch import SamplingParams
-from jaxbatch import attention, runner as runner_mod, sampler
-from jaxbatch.engine import LLMEngine
+from jaxbatch.worker import attention, runner as runner_mod, sampler
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import apply_rope

@@ -39,7 +39,7 @@ listed in gpu_check.sh's header and docs/PARALLELISM.md.
 GPU_CHECK_SIMULATE_FAILURE (comma list; "1" = kernels): `kernels` corrupts one kernel output in
 the correctness section, `timeout` makes the kernels section hang after the correctness
 section (the shell's limit must kill it, and the end-to-end section must still run), `e2e`
-corrupts one checked token in jaxbatch.gpu_e2e. Each must make gpu_check.sh exit non-zero;
+corrupts one checked token in gpu_e2e. Each must make gpu_check.sh exit non-zero;
 tests/test_gpu_check.py checks that on CPU.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ TIMEOUT_CODES = ("124", "137")
 
 def simulated_failure(kind: str) -> bool:
     """GPU_CHECK_SIMULATE_FAILURE: "1"/"all" or a comma list of kernels, e2e, timeout (the same
-    parsing as jaxbatch.gpu_e2e.simulated_failure; kept here so this script does not need the
+    parsing as gpu_e2e.simulated_failure; kept here so this script does not need the
     jaxbatch package to check the kernels)."""
     value = os.environ.get("GPU_CHECK_SIMULATE_FAILURE", "")
     kinds = {k.strip() for k in value.split(",") if k.strip()}
@@ -195,7 +195,7 @@ def availability(jax):
     info["triton_unavailable_reason"] = triton_unavailable_reason()
     info["pallas_available"] = info["triton_unavailable_reason"] is None
     try:
-        from jaxbatch.attention import resolve_backend
+        from jaxbatch.worker.attention import resolve_backend
         info["auto_backend"] = resolve_backend("auto")
     except Exception as e:          # the jaxbatch package is optional for the kernel checks
         info["auto_backend"] = f"unknown ({type(e).__name__}: {e})"

@@ -64,7 +64,7 @@ def main(process_id: int, port: int) -> None:
 def single() -> None:
     """The reference: one process, one device, no tensor parallelism, the same workload (all
     at once: batch invariance makes the split into batches invisible)."""
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     from tp_checks import SETTINGS, model, run_all
     prompts, params = workload()
     print("RESULT " + json.dumps({"tokens": run_all(LLMEngine(loaded=model(2), **SETTINGS),

@@ -11,7 +11,7 @@ import pytest
 
 from jaxbatch import SamplingParams
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxbatch.server.async_engine import (DEAD, READY, AsyncLLM, EngineDeadError,
+from jaxbatch.entrypoints.async_llm import (DEAD, READY, AsyncLLM, EngineDeadError,
                                           EngineUnavailableError)
 
 

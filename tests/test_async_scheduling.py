@@ -12,8 +12,8 @@ import random
 import pytest
 
 from jaxbatch import SamplingParams
-from jaxbatch.plan import PENDING_TOKEN, SampledToken, StepResult
-from jaxbatch.request import SequenceStatus
+from jaxbatch.core.plan import PENDING_TOKEN, SampledToken, StepResult
+from jaxbatch.core.request import SequenceStatus
 from test_scheduler import Sim, assert_drained, check_scheduler
 from test_speculative import fake_model
 
@@ -168,7 +168,7 @@ PARAMS = [
 def engines():
     from test_engine_tiny import tiny_engine
     from tiny_models import make_hf_model
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     model = make_hf_model("llama_untied_gqa2", seed=7)
     # 40 blocks of 4 tokens for 6 slots: the crowd below preempts.
     on = tiny_engine(model, num_blocks=40, async_scheduling=True, **SETTINGS)

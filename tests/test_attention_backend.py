@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxbatch import SamplingParams, attention
+from jaxbatch import SamplingParams
+from jaxbatch.worker import attention
 from pallas_kernels import availability
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")   # jax 0.11: Triton
@@ -95,7 +96,7 @@ def test_unknown_backend_is_refused():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from jaxbatch import gpu_e2e
+    from jaxbatch.benchmarks import gpu_e2e
     return gpu_e2e.random_model("tiny", "float32", seed=0)
 
 
@@ -111,7 +112,7 @@ def run(engine, prompts, params):
 
 
 def make_engine(tiny, backend):
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     return LLMEngine(loaded=tiny, max_num_seqs=4, max_model_len=128, prefill_chunk_size=32,
                      max_num_batched_tokens=64, attention_backend=backend, warmup=False)
 

@@ -77,7 +77,7 @@ def shared_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from jaxbatch import gpu_e2e
+    from jaxbatch.benchmarks import gpu_e2e
     return gpu_e2e.random_model("tiny", "float32", seed=0)
 
 
@@ -131,7 +131,7 @@ def test_bench_gpu_dry_run(tmp_path):
 
 
 def test_gpu_e2e_dry_run(tmp_path):
-    from jaxbatch import gpu_e2e
+    from jaxbatch.benchmarks import gpu_e2e
     assert gpu_e2e.main(["--dry-run", "--out", str(tmp_path), "--slots", "2",
                          "--new-tokens", "4", "--check-requests", "1"]) == 0
     result = json.loads((tmp_path / "gpu_e2e.json").read_text())["models"][0]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant, precondition,
                                  rule)
 
-from jaxbatch.block_manager import NULL_BLOCK, BlockManager
+from jaxbatch.core.block_manager import NULL_BLOCK, BlockManager
 
 
 def snapshot(bm: BlockManager, seq_ids) -> tuple:

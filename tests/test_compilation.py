@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxbatch import SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.loader import LoadedModel
 from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
 
@@ -79,7 +79,7 @@ def test_a_shape_missed_by_warmup_is_counted_and_logged(tiny, caplog):
     engine.runner.layout.decode_row_bucket = lambda n: 3 if n == 3 else real(n)
     for i in range(3):
         engine.add_request(str(i), [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
-    with caplog.at_level(logging.WARNING, logger="jaxbatch.runner"):
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.worker.runner"):
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.stats()["num_compilations_after_warmup"] >= 1
@@ -102,7 +102,7 @@ def test_compiled_model_calls_update_the_pool_in_place(tiny, backend, stored, tm
                        warmup=False, compilation_cache=False)
     runner = engine.runner
     if stored:
-        from jaxbatch.runner import ModelRunner
+        from jaxbatch.worker.runner import ModelRunner
         runner = ModelRunner(runner.model_cfg, tiny.params, runner.cfg, runner.pool[0].dtype,
                              backend, lowered_dir=str(tmp_path))
         assert runner._store is not None
@@ -124,8 +124,8 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
     `jax.jit` lowering)."""
     import jax
     from jax import monitoring
-    from jaxbatch import compile_cache
-    from jaxbatch.runner import ModelRunner
+    from jaxbatch.worker import compile_cache
+    from jaxbatch.worker.runner import ModelRunner
     if compile_cache.enable() is None:
         pytest.skip("JAXBATCH_COMPILATION_CACHE=0")
     events = []
@@ -161,7 +161,7 @@ def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit
     plain jit); an entry for other shapes, or an unreadable one, is a miss, replaced."""
     import jax
     import jax.numpy as jnp
-    from jaxbatch.lowered_store import LoweredStore
+    from jaxbatch.worker.lowered_store import LoweredStore
 
     def fn(params, x):
         return jnp.tanh(x @ params["w"]) + params["b"], x * 2
@@ -180,7 +180,7 @@ def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     # Another fingerprint does not see it.
     assert LoweredStore(str(tmp_path), "other")._load(("f", 2), (params, x)) is None
-    with caplog.at_level(logging.WARNING, logger="jaxbatch.lowered_store"):
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.worker.lowered_store"):
         # Same key, other shapes: a miss, then replaced by the new export.
         x3 = np.ones((5, 3), np.float32)
         third = LoweredStore(str(tmp_path), "fp")
@@ -196,7 +196,7 @@ def test_lowered_store_reads_back_what_it_exported_and_refuses_what_does_not_fit
 
 def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog):
     """Whatever jax.export refuses costs the store, never the warm-up."""
-    from jaxbatch.runner import ModelRunner
+    from jaxbatch.worker.runner import ModelRunner
     engine = LLMEngine(loaded=tiny, max_num_seqs=2, max_model_len=48, warmup=False,
                        compilation_cache=False)
     runner = ModelRunner(engine.runner.model_cfg, tiny.params, engine.runner.cfg,
@@ -205,7 +205,7 @@ def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog
     def refuse(*args, **kwargs):
         raise ValueError("cannot export this")
     runner._store.lower = refuse
-    with caplog.at_level(logging.WARNING, logger="jaxbatch.runner"):
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.worker.runner"):
         runner.warmup()
     assert runner._store is None and runner.warmup_report["from_store"] == 0
     assert runner.num_compilations == len(runner.bucket_shapes())

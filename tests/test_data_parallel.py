@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxbatch import LLM, SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.parallel.data_parallel import DataParallelEngine
 from tp_checks import SETTINGS, model, prompts_of
 
@@ -100,7 +100,7 @@ def test_a_prompt_goes_where_its_prefix_is_cached(replicas):
 
 def test_async_server_front_over_replicas(single_outputs, replicas):
     """The server's AsyncLLM drives the replicas as it drives one engine."""
-    from jaxbatch.server.async_engine import AsyncLLM
+    from jaxbatch.entrypoints.async_llm import AsyncLLM
     prompts, params = _workload()
     prompts, params, expected = prompts[:6], params[:6], single_outputs[:6]
 

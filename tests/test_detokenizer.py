@@ -1,4 +1,4 @@
-"""Incremental detokenization (jaxbatch/detokenizer.py) against the full re-decode it replaces,
+"""Incremental detokenization (jaxbatch/engine/detokenizer.py) against the full re-decode it replaces,
 on the embedded model's tokenizer. No engine, no device."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jaxbatch.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from jaxbatch.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

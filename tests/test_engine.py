@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxbatch import LLM, SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 1024
 

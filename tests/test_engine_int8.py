@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxbatch import SamplingParams
-from jaxbatch.engine import LLMEngine
-from jaxbatch.kv_cache import bytes_per_block
+from jaxbatch.engine.llm_engine import LLMEngine
+from jaxbatch.worker.kv_cache import bytes_per_block
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.model.quantize import params_are_quantized
 from test_engine_tiny import run_all
@@ -135,7 +135,7 @@ def test_int8_weights_given_without_the_option_are_rejected(tiny):
 
 
 def test_serve_flags_reach_the_engine_kwargs():
-    from jaxbatch.cli import _parser, engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
     args = _parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--quantization", "int8"])
     kw = engine_kwargs(args)
     assert kw["kv_cache_dtype"] == "int8" and kw["quantization"] == "int8"

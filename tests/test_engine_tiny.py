@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxbatch import SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.loader import LoadedModel
 from tiny_models import VARIANTS, make_hf_model, ours_from_hf, random_token_prompts
 

@@ -5,22 +5,22 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HOST_MODULES = ["jaxbatch", "jaxbatch.block_manager", "jaxbatch.prefix_cache", "jaxbatch.scheduler",
-                "jaxbatch.request_state",
-                "jaxbatch.speculative",
-                "jaxbatch.policies",
-                "jaxbatch.request", "jaxbatch.plan", "jaxbatch.config", "jaxbatch.sampling_params",
-                "jaxbatch.outputs", "jaxbatch.detokenizer",
+HOST_MODULES = ["jaxbatch", "jaxbatch.core.block_manager", "jaxbatch.core.prefix_cache", "jaxbatch.core.scheduler",
+                "jaxbatch.engine.request_state",
+                "jaxbatch.spec_decode.speculative",
+                "jaxbatch.core.policies",
+                "jaxbatch.core.request", "jaxbatch.core.plan", "jaxbatch.core.config", "jaxbatch.sampling_params",
+                "jaxbatch.outputs", "jaxbatch.engine.detokenizer",
                 # The server binds its port before the engine thread imports JAX.
-                "jaxbatch.cli", "jaxbatch.server.app"]
+                "jaxbatch.entrypoints.cli", "jaxbatch.entrypoints.openai.app"]
 
 PROBE = f"""
 import importlib, sys
 for name in {HOST_MODULES!r}:
     importlib.import_module(name)
 from jaxbatch import SamplingParams, RequestOutput
-from jaxbatch.scheduler import Scheduler
-from jaxbatch.config import SchedulerConfig
+from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.config import SchedulerConfig
 Scheduler(SchedulerConfig(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
                           prefill_chunk_size=4)).schedule()
 heavy = sorted(m for m in sys.modules
@@ -39,7 +39,7 @@ def test_host_modules_import_no_jax():
 
 def test_probe_detects_jax():
     """The probe itself works: importing the device side does show up."""
-    code = "import sys, jaxbatch.runner; print('jax' in sys.modules)"
+    code = "import sys, jaxbatch.worker.runner; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("True")

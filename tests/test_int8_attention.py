@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbatch import attention
+from jaxbatch.worker import attention
 from pallas_kernels.int8 import dequantize_int8, quantize_int8
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention

@@ -5,7 +5,7 @@ here, `pallas_kernels.availability.abstract_gpu`). CI runs this file under both 
 
 Configurations: the kernel shapes scripts/gpu_check.py times, and every call shape the engine
 compiles (`runner.bucket_shapes()`) with its default settings and with the settings of
-`jaxbatch.gpu_e2e` (64 slots) for the model shapes gpu_e2e runs (SmolLM2-135M, Llama-3.2-1B,
+`gpu_e2e` (64 slots) for the model shapes gpu_e2e runs (SmolLM2-135M, Llama-3.2-1B,
 Llama-3.1-8B), over a KV pool the size of a GPU deployment. The pool is the stacked layout
 [KVH, num_layers * num_blocks, block_size, head_dim], larger than 4 GiB, so the kernels' gathers
 use 64-bit offsets. The xla fallback (plain jnp, what `auto` picks on a GPU without Triton) is
@@ -112,8 +112,8 @@ def _engine_buckets(**engine_kwargs):
     tiny random model (bucket shapes depend on the scheduler settings, not on the model)."""
     import dataclasses
 
-    from jaxbatch import gpu_e2e
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.benchmarks import gpu_e2e
+    from jaxbatch.engine.llm_engine import LLMEngine
     cfg = dataclasses.replace(gpu_e2e.MODEL_SHAPES["tiny"], max_position_embeddings=1 << 17)
     loaded = gpu_e2e.random_model("tiny", "float32", seed=0, config=cfg)
     engine = LLMEngine(loaded=loaded, attention_backend="pallas", warmup=False,
@@ -126,7 +126,7 @@ def _engine_buckets(**engine_kwargs):
 
 
 def _gpu_e2e_settings():
-    from jaxbatch import gpu_e2e
+    from jaxbatch.benchmarks import gpu_e2e
     args = gpu_e2e.parse_args([])
     max_len = args.prompt_len + args.new_tokens
     return dict(max_num_seqs=args.slots, max_model_len=max_len,
@@ -165,7 +165,7 @@ def test_every_engine_bucket_lowers_for_cuda(engine_buckets, settings, model, dt
 def test_engine_default_buckets_cover_the_default_context():
     """The default engine compiles page buckets up to max_model_len: the shapes above are the
     ones a GPU deployment with default settings runs."""
-    from jaxbatch.engine import DEFAULT_MAX_MODEL_LEN
+    from jaxbatch.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
     shapes, _ = _engine_buckets(num_blocks=None)
     largest = max(b for kind, _, b in shapes if kind == "decode")
     assert largest * BLOCK_SIZE >= DEFAULT_MAX_MODEL_LEN

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxbatch import kv_cache
-from jaxbatch.attention import prefill_attend
+from jaxbatch.worker import kv_cache
+from jaxbatch.worker.attention import prefill_attend
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
@@ -250,7 +250,7 @@ def test_mistral_sliding_window_caps_the_model_length():
     """Attention here is full causal, which equals Mistral's sliding window only while a
     sequence fits in the window: the model length is capped at the window, and an engine asked
     for more refuses with a ValueError, instead of silently computing something else."""
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     from jaxbatch.model.loader import LoadedModel
     model = _mistral(window=48)
     cfg, params = ours_from_hf(model)

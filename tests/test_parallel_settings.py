@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from tp_checks import SETTINGS, model
 
 

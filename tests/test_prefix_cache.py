@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from jaxbatch import prefix_cache
-from jaxbatch.block_manager import BlockManager
-from jaxbatch.prefix_cache import block_key, extend_keys, root_key
-from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.core import prefix_cache
+from jaxbatch.core.block_manager import BlockManager
+from jaxbatch.core.prefix_cache import block_key, extend_keys, root_key
+from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.sampling_params import SamplingParams
 from test_scheduler import Sim, assert_drained, check_scheduler
 
@@ -354,7 +354,7 @@ def test_forced_collision_in_the_scheduler_serves_no_wrong_blocks(monkeypatch):
 
 
 def test_serve_flag_turns_prefix_caching_off():
-    from jaxbatch.cli import _parser, engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
     on = engine_kwargs(_parser().parse_args(["serve"]))
     off = engine_kwargs(_parser().parse_args(["serve", "--no-enable-prefix-caching"]))
     assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False

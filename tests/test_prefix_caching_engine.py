@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxbatch import SamplingParams, prefix_cache
-from jaxbatch.engine import LLMEngine
+from jaxbatch import SamplingParams
+from jaxbatch.core import prefix_cache
+from jaxbatch.engine.llm_engine import LLMEngine
 from test_engine_tiny import run_all, tiny_engine
 from tiny_models import make_hf_model, random_token_prompts
 

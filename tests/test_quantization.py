@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbatch import kv_cache
+from jaxbatch.worker import kv_cache
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import (QUANTIZED_MATRICES, check_quantization, dequantize_matrix,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxbatch.rejection_sampler import rejection_sample
+from jaxbatch.worker.rejection_sampler import rejection_sample
 
 VOCAB = 8
 NUM_SAMPLES = 40_000

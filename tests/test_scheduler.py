@@ -11,11 +11,11 @@ from typing import Callable
 
 import pytest
 
-from jaxbatch.config import SchedulerConfig
-from jaxbatch.plan import SampledToken, StepPlan, StepResult
-from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.core.config import SchedulerConfig
+from jaxbatch.core.plan import SampledToken, StepPlan, StepResult
+from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.sampling_params import SamplingParams
-from jaxbatch.scheduler import Scheduler
+from jaxbatch.core.scheduler import Scheduler
 
 EOS = 2
 FILLER = 7          # the token the fake model emits unless a test says otherwise

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from jaxbatch.plan import SampledToken, StepResult
-from jaxbatch.request import SequenceStatus
-from jaxbatch.speculative import NgramProposer, SpecCounters, SpeculativeConfig
+from jaxbatch.core.plan import SampledToken, StepResult
+from jaxbatch.core.request import SequenceStatus
+from jaxbatch.spec_decode.speculative import NgramProposer, SpecCounters, SpeculativeConfig
 from test_scheduler import EOS, Sim, assert_drained, check_plan, check_scheduler
 
 
@@ -181,7 +181,7 @@ def test_speculation_with_prefix_caching_and_preemption():
 
 
 def test_serve_flag_parses_speculative_config():
-    from jaxbatch.cli import _parser, engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
     args = _parser().parse_args(["serve", "--speculative-config",
                                  '{"method": "ngram", "num_speculative_tokens": 5}'])
     assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5}
@@ -191,7 +191,7 @@ def test_serve_flag_parses_speculative_config():
 
 
 def test_metrics_export_spec_counters_as_deltas():
-    from jaxbatch.server.metrics import ServerMetrics
+    from jaxbatch.entrypoints.openai.metrics import ServerMetrics
     m = ServerMetrics("m")
     base = dict(num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
                 num_preemptions=0)

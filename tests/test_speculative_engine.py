@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxbatch import SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from test_engine_tiny import run_all, tiny_engine
 from test_prefix_caching_engine import result
 from tiny_models import make_hf_model, random_token_prompts

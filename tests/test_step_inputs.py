@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from jaxbatch.config import SchedulerConfig
-from jaxbatch.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan
-from jaxbatch.step_inputs import StepLayout
+from jaxbatch.core.config import SchedulerConfig
+from jaxbatch.core.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan
+from jaxbatch.worker.step_inputs import StepLayout
 
 CONFIGS = [
     # max_num_seqs and max_model_len that are not powers of two, and a roomy one.

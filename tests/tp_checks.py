@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxbatch import SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 

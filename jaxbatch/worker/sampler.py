@@ -11,7 +11,7 @@ nothing for them.
 Speculative decoding with sampled drafts (`draft_sampling="sampled"`) adds two functions that
 only such engines compile: `sample_with_probs` (the draft model: its tokens and the q each came
 from) and `sample_verified` (the target's decode calls carrying q: the rejection step of
-jaxbatch/rejection_sampler.py against the same p plain sampling draws from). `sample` is
+jaxbatch/worker/rejection_sampler.py against the same p plain sampling draws from). `sample` is
 unchanged by them.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.plan import SamplingRow
-from jaxbatch.rejection_sampler import rejection_sample
+from jaxbatch.core.plan import SamplingRow
+from jaxbatch.worker.rejection_sampler import rejection_sample
 from jaxbatch.sampling_params import MAX_LOGPROBS
 
 MAX_BANNED = 16   # EOS + stop_token_ids held back while min_tokens is not reached
@@ -177,7 +177,7 @@ def sample_with_probs(logits, s: SamplingArrays):
 
 def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs):
     """`sample` for a decode call verifying sampled proposals: draft_token [N] i32 (-1: the row
-    verifies none), draft_probs [N, V] f32, the draft's q for that token (jaxbatch/rejection_sampler.py)."""
+    verifies none), draft_probs [N, V] f32, the draft's q for that token (jaxbatch/worker/rejection_sampler.py)."""
     return _sample(logits, s, lambda p, s_: _verified_choice(p, s_, draft_token, draft_probs))
 
 

@@ -25,7 +25,7 @@ class SchedulerConfig:
     # so a long prompt is eventually served whatever keeps arriving.
     aging_tokens_per_step: float = 4.0
     # Full blocks computed by full prefill chunks are kept, keyed by their prefix, and shared
-    # by later prompts that start with the same tokens (jaxbatch/prefix_cache.py).
+    # by later prompts that start with the same tokens (jaxbatch/core/prefix_cache.py).
     enable_prefix_caching: bool = False
     # "chunk": hits end on the request's own prefill-chunk boundaries and only blocks of full
     # chunks are cached, so outputs are exactly those of a run without the cache. "block" (what

@@ -8,7 +8,7 @@ independently. A Sequence moves
        +----preempt-------+        (blocks freed; its tokens recomputed on re-admission)
 
 `num_computed_tokens` counts the tokens whose KV is in the pool; an admission that finds a
-cached prefix (jaxbatch/prefix_cache.py) starts it at the hit's length instead of 0. While it is below
+cached prefix (jaxbatch/core/prefix_cache.py) starts it at the hit's length instead of 0. While it is below
 `num_tokens - 1` the sequence is prefilling (prompt, or prompt + outputs after a preemption);
 at `num_tokens - 1` it decodes one token per step.
 """

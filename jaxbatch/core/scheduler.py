@@ -17,15 +17,15 @@ from __future__ import annotations
 import bisect
 import time
 
-from jaxbatch.block_manager import BlockManager
-from jaxbatch.config import SchedulerConfig
-from jaxbatch.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, SampledToken, SamplingRow,
+from jaxbatch.core.block_manager import BlockManager
+from jaxbatch.core.config import SchedulerConfig
+from jaxbatch.core.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, SampledToken, SamplingRow,
                            StepPlan, StepResult)
-from jaxbatch.policies import policy_key
-from jaxbatch.prefix_cache import extend_keys, root_key
-from jaxbatch.request import Sequence, SequenceStatus
-from jaxbatch.scheduler_speculation import SpeculativeScheduling
-from jaxbatch.speculative import SpecCounters, SpeculativeConfig, make_proposer
+from jaxbatch.core.policies import policy_key
+from jaxbatch.core.prefix_cache import extend_keys, root_key
+from jaxbatch.core.request import Sequence, SequenceStatus
+from jaxbatch.spec_decode.planner import SpeculativeScheduling
+from jaxbatch.spec_decode.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 
 class Scheduler(SpeculativeScheduling):
@@ -34,7 +34,7 @@ class Scheduler(SpeculativeScheduling):
                  proposer=None):
         """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
         block size): it roots every prefix-cache key. `speculative`: proposals verified in
-        the decode call (jaxbatch/speculative.py), or None; `proposer` overrides the one it
+        the decode call (jaxbatch/spec_decode/speculative.py), or None; `proposer` overrides the one it
         names (the engine builds draft models)."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)

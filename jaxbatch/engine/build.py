@@ -21,7 +21,7 @@ def build_engine(model=None, *, tensor_parallel_size: int = 1, data_parallel_siz
         raise ValueError(f"data_parallel_size={data_parallel_size!r} must be a positive integer")
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes={num_processes!r} must be a positive integer")
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     if num_processes > 1:
         if data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with num_processes > 1 is not supported: "

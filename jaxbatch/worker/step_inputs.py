@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxbatch.config import SchedulerConfig, next_power_of_two
-from jaxbatch.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
+from jaxbatch.core.config import SchedulerConfig, next_power_of_two
+from jaxbatch.core.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
 
 MIN_PREFILL_BUCKET = 16

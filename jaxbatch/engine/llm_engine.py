@@ -18,22 +18,22 @@ import time
 import jax
 import numpy as np
 
-from jaxbatch import compile_cache
-from jaxbatch.config import SchedulerConfig, next_power_of_two
-from jaxbatch.draft_model import DraftModelProposer
-from jaxbatch.kv_cache import blocks_for_budget, check_kv_cache_dtype
+from jaxbatch.worker import compile_cache
+from jaxbatch.core.config import SchedulerConfig, next_power_of_two
+from jaxbatch.spec_decode.draft_model import DraftModelProposer
+from jaxbatch.worker.kv_cache import blocks_for_budget, check_kv_cache_dtype
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import check_quantization, params_are_quantized, quantize_params
 from jaxbatch.outputs import RequestOutput
-from jaxbatch.request import Sequence, SequenceStatus
-from jaxbatch.request_state import RequestState
-from jaxbatch.runner import ModelRunner
-from jaxbatch.sampler import MAX_BANNED
+from jaxbatch.core.request import Sequence, SequenceStatus
+from jaxbatch.engine.request_state import RequestState
+from jaxbatch.worker.runner import ModelRunner
+from jaxbatch.worker.sampler import MAX_BANNED
 from jaxbatch.sampling_params import SamplingParams
-from jaxbatch.scheduler import Scheduler
-from jaxbatch.speculative import SpeculativeConfig
+from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.spec_decode.speculative import SpeculativeConfig
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -47,7 +47,7 @@ class LLMEngine:
         """Replicas or several processes: the engine `jaxbatch.parallel.build_engine` makes
         (same interface); otherwise a plain LLMEngine."""
         if data_parallel_size != 1 or num_processes != 1:
-            from jaxbatch.parallel.build import build_engine
+            from jaxbatch.engine.build import build_engine
             return build_engine(model, data_parallel_size=data_parallel_size,
                                 num_processes=num_processes, **kwargs)
         return super().__new__(cls)
@@ -70,10 +70,10 @@ class LLMEngine:
         steps and KV pool (same model and shapes; the two engines must not run interleaved),
         which is how static and continuous batching are compared on identical executables.
         `enable_prefix_caching` shares the KV of prompt prefixes already computed (outputs
-        are the same with it off; see jaxbatch/prefix_cache.py); `prefix_cache_granularity=
+        are the same with it off; see jaxbatch/core/prefix_cache.py); `prefix_cache_granularity=
         "block"` shares prefixes in whole blocks as vLLM does, not whole prefill chunks (see
         SchedulerConfig). `speculative_config`
-        ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/speculative.py)
+        ({"method": "ngram", "num_speculative_tokens": k, ...}, see jaxbatch/spec_decode/speculative.py)
         verifies proposed tokens in the decode step; the tokens are the same without it
         (with a draft model's "draft_sampling": "sampled", their distribution is).
         `async_scheduling` overlaps host and device: each step is planned while the previous

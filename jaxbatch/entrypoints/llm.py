@@ -5,7 +5,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ max(p - q, 0). Whatever q is, the output is distributed exactly as p. A rejected
 p(d) < q(d), so the residual gives it no mass: the output equals d exactly when d was accepted,
 which is the rule the scheduler already applies ("accept while the draft equals the sample").
 
-Pure jnp, no state: the sampler (jaxbatch/sampler.py) supplies u and the Gumbel noise from the
+Pure jnp, no state: the sampler (jaxbatch/worker/sampler.py) supplies u and the Gumbel noise from the
 row's (seed, position) keys, so a row draws the same noise alone or in any batch.
 """
 from __future__ import annotations

@@ -23,8 +23,8 @@ import uuid
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from jaxbatch.server import protocol as P
-from jaxbatch.server.async_engine import AsyncLLM, EngineDeadError
+from jaxbatch.entrypoints.openai import protocol as P
+from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
 

@@ -1,7 +1,7 @@
 """The main job on the embedded model: a few dozen chat requests of mixed lengths served by
 continuous batching, then the same requests in static mode on the same compiled steps.
 
-    python -m jaxbatch.demo [--requests 24] [--max-num-seqs 8] [--show 6]
+    python -m jaxbatch.entrypoints.demo [--requests 24] [--max-num-seqs 8] [--show 6]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import statistics
 import time
 
 from jaxbatch import LLM, SamplingParams
-from jaxbatch.engine import LLMEngine
+from jaxbatch.engine.llm_engine import LLMEngine
 
 QUESTIONS = [
     "What is the capital of France?",

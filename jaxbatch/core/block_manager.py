@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from jaxbatch.prefix_cache import PrefixIndex
+from jaxbatch.core.prefix_cache import PrefixIndex
 
 NULL_BLOCK = 0
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxbatch.detokenizer import IncrementalDetokenizer
+from jaxbatch.engine.detokenizer import IncrementalDetokenizer
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxbatch.request import Sequence, SequenceStatus
+from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.sampling_params import SamplingParams
 
 
@@ -28,7 +28,7 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
     def apply_stop_strings(self, seq: Sequence, tokenizer, finish) -> None:
-        """Decodes the sequence's new tokens (jaxbatch/detokenizer.py) and ends it at the first
+        """Decodes the sequence's new tokens (jaxbatch/engine/detokenizer.py) and ends it at the first
         stop string, through `finish(seq, status, stop)` (the scheduler's); its text is then cut
         before the stop string (the tokens up to the one completing it stay)."""
         if tokenizer is None:

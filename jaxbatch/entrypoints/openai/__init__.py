@@ -15,7 +15,7 @@
                     before reading this one's tokens: host/device overlap), and hands all of the
                     step's cumulative outputs to the event loop in one `call_soon_threadsafe`; each
                     request's mailbox keeps only the newest (a slow reader's deltas merge).
-                    Text comes from the incremental detokenizer (jaxbatch/detokenizer.py):
+                    Text comes from the incremental detokenizer (jaxbatch/engine/detokenizer.py):
                     no half characters, nothing of a stop string that may still match.
 6. serving.py       turns cumulative outputs into OpenAI deltas: SSE frames for `stream: true`
                     (then `data: [DONE]`), or one JSON body when the final output arrives.

@@ -33,17 +33,15 @@ from jax import export
 logger = logging.getLogger(__name__)
 
 # The code that ends up inside a lowered step (folders: every .py file in them).
-_TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "jaxbatch/attention.py",
-                   "jaxbatch/sampler.py", "jaxbatch/rejection_sampler.py",
-                   "jaxbatch/sampling_params.py", "jaxbatch/runner.py", "jaxbatch/step_inputs.py", "jaxbatch/kv_cache.py", "jaxbatch/config.py",
-                   "jaxbatch/plan.py", "jaxbatch/lowered_store.py")
+_TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "jaxbatch/worker",
+                   "jaxbatch/sampling_params.py", "jaxbatch/core/config.py", "jaxbatch/core/plan.py")
 _FORMAT = 1
 
 
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
     digest = hashlib.sha256()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = []
     for entry in _TRACED_SOURCES:
         full = os.path.join(root, entry)

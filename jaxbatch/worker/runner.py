@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch import attention, kv_cache, lowered_store, sampler
-from jaxbatch.config import SchedulerConfig
+from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
+from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
-from jaxbatch.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
-from jaxbatch.step_inputs import MAX_CHUNKS_PER_CALL, ModelCall, StepLayout
+from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
+from jaxbatch.worker.step_inputs import MAX_CHUNKS_PER_CALL, ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, s
 
 
 def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
-    """`sample_fn` (a jaxbatch.sampler function; `extra` its further inputs), and each row's
+    """`sample_fn` (a jaxbatch.worker.sampler function; `extra` its further inputs), and each row's
     token kept under its slot ([S]; slot S = not kept) for the next step's decode call to
     read on device."""
     out = sample_fn(logits, sampling_arrays, *extra)

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxbatch.server import protocol as P
-from jaxbatch.server.async_engine import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
-from jaxbatch.server.metrics import ServerMetrics
-from jaxbatch.server.serving import APIError, OpenAIServing, with_cancellation
+from jaxbatch.entrypoints.openai import protocol as P
+from jaxbatch.entrypoints.async_llm import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
+from jaxbatch.entrypoints.openai.metrics import ServerMetrics
+from jaxbatch.entrypoints.openai.serving import APIError, OpenAIServing, with_cancellation
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailableError"}

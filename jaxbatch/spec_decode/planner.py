@@ -1,12 +1,12 @@
-"""The scheduler's speculative decoding (jaxbatch/speculative.py has the settings and the
+"""The scheduler's speculative decoding (jaxbatch/spec_decode/speculative.py has the settings and the
 proposers): which decoding sequences get proposals this step, from what the step leaves over,
 and how many of them stand once the step's samples are back. Mixed into `Scheduler`; pure
 Python, no JAX."""
 from __future__ import annotations
 
-from jaxbatch.plan import DecodeEntry, SampledToken, SamplingRow
-from jaxbatch.request import Sequence
-from jaxbatch.speculative import draft_probs
+from jaxbatch.core.plan import DecodeEntry, SampledToken, SamplingRow
+from jaxbatch.core.request import Sequence
+from jaxbatch.spec_decode.speculative import draft_probs
 
 MAX_SPEC_BACKOFF = 16
 

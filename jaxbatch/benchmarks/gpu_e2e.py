@@ -1,8 +1,8 @@
 """End-to-end decode speed of the engine on random-weight models of real shapes, on a GPU, and a
 check that its greedy outputs with the GPU attention equal those of the plain-reference path.
 
-    python -m jaxbatch.gpu_e2e --out DIR [--models small 1B 8B] [--budget-s 150]
-    python -m jaxbatch.gpu_e2e --out DIR --dry-run          # CPU, tiny shapes, interpret mode
+    python -m jaxbatch.benchmarks.gpu_e2e --out DIR [--models small 1B 8B] [--budget-s 150]
+    python -m jaxbatch.benchmarks.gpu_e2e --out DIR --dry-run          # CPU, tiny shapes, interpret mode
 
 For each model shape (bf16, weights from jax.random in the engine's stacked params layout, no
 tokenizer, token-id prompts):
@@ -231,7 +231,7 @@ def simulated_failure(kind: str) -> bool:
 # ---- runs ---------------------------------------------------------------------------------------
 
 def make_engine(loaded: LoadedModel, slots: int, max_model_len: int, backend: str, **kw):
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     pages = -(-max_model_len // 16)
     # num_blocks sized to the run (not half the GPU): two engines on an 8B model must coexist.
     return LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     if not on_gpu and not args.dry_run:
         print("gpu_e2e: no GPU (jax backend is %r); use --dry-run on CPU" % jax.default_backend())
         return 2
-    from jaxbatch.attention import resolve_backend
+    from jaxbatch.worker.attention import resolve_backend
     backend = resolve_backend(args.backend or ("auto" if on_gpu else "pallas_interpret"))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ they are stepped together. The draft engine's own prefix cache keeps each sequen
 steps in whole chunks, so a step recomputes at most about a chunk plus k tokens per sequence.
 
 draft_sampling="greedy" (default): proposals are the draft's argmax (one-hot q); the target
-accepts one while it equals its own sample (jaxbatch/speculative.py), which is lossless for any
+accepts one while it equals its own sample (jaxbatch/spec_decode/speculative.py), which is lossless for any
 target sampling settings. "sampled": a request with temperature > 0 gets a draft request with
 its temperature, top-k, top-p and min-p and a seed derived from its own (`draft_seed`: the
 draft's noise must be independent of the target's), so its proposals are samples of the draft's
@@ -21,9 +21,9 @@ import logging
 import numpy as np
 
 from jaxbatch.model.loader import LoadedModel, load_model
-from jaxbatch.plan import SamplingRow
+from jaxbatch.core.plan import SamplingRow
 from jaxbatch.sampling_params import SamplingParams
-from jaxbatch.speculative import SampledDraft, draft_seed
+from jaxbatch.spec_decode.speculative import SampledDraft, draft_seed
 
 DRAFT_PREFILL_CHUNK = 32   # small: a draft recomputes up to a chunk of each sequence per step
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DraftModelProposer:
     def __init__(self, model: str | LoadedModel, *, target_vocab_size: int, max_num_seqs: int,
                  max_model_len: int, dtype: str, warmup: bool, compilation_cache: bool,
                  attention_backend: str = "auto", draft_sampling: str = "greedy"):
-        from jaxbatch.engine import LLMEngine      # the draft is an engine itself
+        from jaxbatch.engine.llm_engine import LLMEngine      # the draft is an engine itself
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
         if loaded.config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model: vocabulary of {loaded.config.vocab_size} "

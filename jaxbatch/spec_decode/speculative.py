@@ -10,7 +10,7 @@ sample, so the tokens are those of decoding without speculation (lossless for an
 settings). A proposer only guesses; it never changes what is sampled.
 
 `propose_batch({seq_id: (token_ids, k)}, {seq_id: sampling row}) -> {seq_id: proposal}` is the
-one seam: n-gram prompt lookup lives here; a draft model (jaxbatch/draft_model.py: a second
+one seam: n-gram prompt lookup lives here; a draft model (jaxbatch/spec_decode/draft_model.py: a second
 engine over its own paged KV pool) is built by the engine, which keeps this module and the
 scheduler free of JAX.
 
@@ -19,7 +19,7 @@ q, for which the rule above is the standard rejection sampler and the tokens sta
 decoding without speculation. "sampled" draws each proposal of a request with temperature > 0
 from the draft's own distribution q (the request's temperature, top-k, top-p, min-p; a seed
 derived from the sequence's) and returns q (`SampledDraft`); the verification row then accepts
-with probability min(1, p/q) and otherwise samples the residual (jaxbatch/rejection_sampler.py).
+with probability min(1, p/q) and otherwise samples the residual (jaxbatch/worker/rejection_sampler.py).
 That preserves the target distribution, not the tokens: more proposals are accepted when the
 draft is good but not the target's argmax. Temperature-0 requests keep greedy proposals.
 """

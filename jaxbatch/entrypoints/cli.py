@@ -112,7 +112,7 @@ def engine_kwargs(args) -> dict:
 
 
 def serve(args) -> int:
-    from jaxbatch.server.app import build_app
+    from jaxbatch.entrypoints.openai.app import build_app
 
     model, kwargs = args.model, engine_kwargs(args)
     if args.num_processes > 1:
@@ -123,7 +123,7 @@ def serve(args) -> int:
             return follow(model, kwargs)
 
     def engine_factory():   # runs on the engine thread, after the port is bound
-        from jaxbatch.engine import LLMEngine
+        from jaxbatch.engine.llm_engine import LLMEngine
         return LLMEngine(model, **kwargs)
 
     failed = []
@@ -155,7 +155,7 @@ def serve(args) -> int:
 def follow(model, kwargs) -> int:
     """A process other than 0 of a multi-process engine: no HTTP; it builds the same engine
     and steps with process 0 until process 0 shuts down."""
-    from jaxbatch.engine import LLMEngine
+    from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(model, **kwargs)
     while engine.follow():
         pass

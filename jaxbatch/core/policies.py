@@ -2,7 +2,7 @@
 Pure Python."""
 from __future__ import annotations
 
-from jaxbatch.request import Sequence
+from jaxbatch.core.request import Sequence
 
 
 def policy_key(policy: str, seq: Sequence, step: int, aging_tokens_per_step: float):
