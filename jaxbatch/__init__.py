@@ -1,13 +1,14 @@
 """jaxbatch: continuous-batching LLM inference in JAX with a paged KV cache.
 
-Read top-down: llm.py -> engine.py -> scheduler.py (with block_manager.py, request.py,
-policies.py, plan.py) -> runner.py (with sampler.py, attention.py, kv_cache.py) -> model/.
-The host-side modules import no JAX; `import jaxbatch` stays light until LLM is used.
+Read top-down (docs/architecture.md has a request's whole path): entrypoints/ (LLM, the
+server) -> engine/ (options, building, LLMEngine.step, outputs) -> core/ (scheduler, KV blocks,
+requests, plans; host only) -> worker/ (runner, sampler, attention) -> model/. The host-side
+modules import no JAX; `import jaxbatch` stays light until LLM is used.
 """
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "RequestMetrics"]
 
 
@@ -19,4 +20,7 @@ def __getattr__(name):
     if name == "LLMEngine":
         from jaxbatch.engine.llm_engine import LLMEngine
         return LLMEngine
+    if name == "build_engine":
+        from jaxbatch.engine.build import build_engine
+        return build_engine
     raise AttributeError(name)

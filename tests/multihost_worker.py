@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxbatch.parallel import multihost
+from jaxbatch.engine import multihost
 
 
 def workload():

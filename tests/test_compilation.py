@@ -58,7 +58,7 @@ def test_500_request_random_soak_compiles_nothing_after_warmup(tiny):
                 i, p = pending.pop(0)
                 engine.add_request(str(i), p, _random_params(rng, i, len(p), 256))
         if rng.random() < 0.02 and engine.has_unfinished_requests():
-            victim = next(iter(engine._requests))
+            victim = next(iter(engine.outputs.requests))
             engine.abort_request(victim)
             aborted.add(victim)
         for out in engine.step():

@@ -1,4 +1,4 @@
-"""Data-parallel replicas (jaxbatch/parallel/data_parallel.py) on this one-device CPU: the
+"""Data-parallel replicas (jaxbatch/engine/data_parallel.py) on this one-device CPU: the
 replicas share the device, which tests routing and equality, not speed-up (the 8-device
 check of replicas on their own devices is in tp_checks.py)."""
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxbatch import LLM, SamplingParams
+from jaxbatch.engine.build import build_engine
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.parallel.data_parallel import DataParallelEngine
+from jaxbatch.engine.data_parallel import DataParallelEngine
 from tp_checks import SETTINGS, model, prompts_of
 
 
@@ -33,7 +34,7 @@ def single_outputs():
 @pytest.fixture(scope="module")
 def replicas():
     """Shared by the tests below (compiling is what costs): every test leaves it idle."""
-    return LLMEngine(loaded=model(8), data_parallel_size=2, **SETTINGS)
+    return build_engine(loaded=model(8), data_parallel_size=2, **SETTINGS)
 
 
 def test_two_replicas_give_one_engines_outputs(single_outputs, replicas):

@@ -135,7 +135,8 @@ def test_int8_weights_given_without_the_option_are_rejected(tiny):
 
 
 def test_serve_flags_reach_the_engine_kwargs():
-    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
+    from jaxbatch.engine.config import engine_kwargs_from_args as engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser
     args = _parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--quantization", "int8"])
     kw = engine_kwargs(args)
     assert kw["kv_cache_dtype"] == "int8" and kw["quantization"] == "int8"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 HOST_MODULES = ["jaxbatch", "jaxbatch.core.block_manager", "jaxbatch.core.prefix_cache", "jaxbatch.core.scheduler",
-                "jaxbatch.engine.request_state",
+                "jaxbatch.engine.output_processor",
                 "jaxbatch.spec_decode.speculative",
                 "jaxbatch.core.policies",
                 "jaxbatch.core.request", "jaxbatch.core.plan", "jaxbatch.core.config", "jaxbatch.sampling_params",

@@ -165,7 +165,7 @@ def test_every_engine_bucket_lowers_for_cuda(engine_buckets, settings, model, dt
 def test_engine_default_buckets_cover_the_default_context():
     """The default engine compiles page buckets up to max_model_len: the shapes above are the
     ones a GPU deployment with default settings runs."""
-    from jaxbatch.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+    from jaxbatch.engine.setup import DEFAULT_MAX_MODEL_LEN
     shapes, _ = _engine_buckets(num_blocks=None)
     largest = max(b for kind, _, b in shapes if kind == "decode")
     assert largest * BLOCK_SIZE >= DEFAULT_MAX_MODEL_LEN

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxbatch.engine.build import build_engine
 from jaxbatch.engine.llm_engine import LLMEngine
 from tp_checks import SETTINGS, model
 
@@ -19,7 +20,7 @@ from tp_checks import SETTINGS, model
 ])
 def test_bad_scale_out_settings_raise_value_error(kwargs, words):
     with pytest.raises(ValueError, match=words):
-        LLMEngine(loaded=model(8), **{**SETTINGS, **kwargs})
+        build_engine(loaded=model(8), **{**SETTINGS, **kwargs})
 
 
 def test_one_device_engine_reports_tensor_parallel_size_one():

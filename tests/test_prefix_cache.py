@@ -354,7 +354,8 @@ def test_forced_collision_in_the_scheduler_serves_no_wrong_blocks(monkeypatch):
 
 
 def test_serve_flag_turns_prefix_caching_off():
-    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
+    from jaxbatch.engine.config import engine_kwargs_from_args as engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser
     on = engine_kwargs(_parser().parse_args(["serve"]))
     off = engine_kwargs(_parser().parse_args(["serve", "--no-enable-prefix-caching"]))
     assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False

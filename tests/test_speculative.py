@@ -10,6 +10,7 @@ import pytest
 
 from jaxbatch.core.plan import SampledToken, StepResult
 from jaxbatch.core.request import SequenceStatus
+from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import NgramProposer, SpecCounters, SpeculativeConfig
 from test_scheduler import EOS, Sim, assert_drained, check_plan, check_scheduler
 
@@ -86,8 +87,7 @@ def run_pair(requests, spec: dict | None, **config) -> tuple[dict, "SpecSim"]:
     config.setdefault("max_num_batched_tokens", 64)
     sim = SpecSim(**config)
     if spec is not None:
-        sim.sched.speculative = SpeculativeConfig(**spec)
-        sim.sched.proposer = NgramProposer(sim.sched.speculative)
+        sim.sched.speculation = SpeculativePlanner(SpeculativeConfig(**spec))
     seqs = [sim.add(prompt=prompt, **params) for prompt, params in requests]
     sim.run(max_steps=3000)
     return {s.seq_id: (s.output_token_ids, s.status, s.stop_reason) for s in seqs}, sim
@@ -116,7 +116,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(seed):
     spec, sim = run_pair(requests, dict(num_speculative_tokens=4, max_batch_size=4,
                                         prompt_lookup_min=1, prompt_lookup_max=3))
     assert spec == plain
-    counters = sim.sched.spec_counters
+    counters = sim.sched.speculation.counters
     assert counters.num_draft_tokens > 0 and 0 < counters.num_accepted_tokens < counters.num_draft_tokens
     # Fewer steps: accepted proposals are tokens that needed no step of their own.
     assert len(sim.plans) < len(run_pair(requests, None)[1].plans)
@@ -154,7 +154,7 @@ def test_large_batches_and_opted_out_requests_do_not_speculate():
             assert not any(d.draft_token_ids for d in plan.decodes)
     _, sim = run_pair([([5, 6, 7, 8, 9] * 3, dict(max_tokens=20, speculate=False))],
                       dict(num_speculative_tokens=3))
-    assert sim.sched.spec_counters.num_drafts == 0
+    assert sim.sched.speculation.counters.num_drafts == 0
 
 
 def test_proposals_never_preempt_and_spare_blocks_come_back():
@@ -181,7 +181,8 @@ def test_speculation_with_prefix_caching_and_preemption():
 
 
 def test_serve_flag_parses_speculative_config():
-    from jaxbatch.entrypoints.cli import _parser, engine_kwargs
+    from jaxbatch.engine.config import engine_kwargs_from_args as engine_kwargs
+    from jaxbatch.entrypoints.cli import _parser
     args = _parser().parse_args(["serve", "--speculative-config",
                                  '{"method": "ngram", "num_speculative_tokens": 5}'])
     assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5}
@@ -221,6 +222,6 @@ def test_a_sequence_whose_proposals_fail_backs_off():
     finally:
         me.fake_model = original
     assert spec == plain
-    counters = sim.sched.spec_counters
+    counters = sim.sched.speculation.counters
     assert counters.num_accepted_tokens < counters.num_draft_tokens / 3
     assert 0 < counters.num_drafts < 80 / 3       # far from one draft per step

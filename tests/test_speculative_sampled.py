@@ -123,7 +123,7 @@ def test_a_foreign_draft_runs_leaks_nothing_and_compiles_nothing_after_warm_up()
     assert 0 < acceptance(engine) < 1, engine.stats()
     assert counts["with_q"] > 0          # the rejection step ran
     assert_counters(engine, counts)
-    draft = engine.scheduler.proposer.engine
+    draft = engine.scheduler.speculation.proposer.engine
     for e in (engine, draft):
         s = e.stats()
         assert s["num_compilations_after_warmup"] == 0, e.runner.compilations_after_warmup

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxbatch import SamplingParams
+from jaxbatch.engine.build import build_engine
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
@@ -252,7 +253,7 @@ def check_data_parallel_replicas_on_their_own_devices():
     sp = [SamplingParams(temperature=0.7, seed=i, max_tokens=int(rng.integers(2, 8)),
                          ignore_eos=True) for i in range(6)]
     ref = run_all(engine(2, 1), prompts, sp)
-    dp = LLMEngine(loaded=model(2), data_parallel_size=2, tensor_parallel_size=2, **SETTINGS)
+    dp = build_engine(loaded=model(2), data_parallel_size=2, tensor_parallel_size=2, **SETTINGS)
     devices = [set(r.runner.pool[0].sharding.device_set) for r in dp.replicas]
     assert len(devices[0]) == len(devices[1]) == 2 and not devices[0] & devices[1], devices
     assert run_all(dp, prompts, sp) == ref

@@ -24,18 +24,15 @@ from jaxbatch.core.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, Sample
 from jaxbatch.core.policies import policy_key
 from jaxbatch.core.prefix_cache import extend_keys, root_key
 from jaxbatch.core.request import Sequence, SequenceStatus
-from jaxbatch.spec_decode.planner import SpeculativeScheduling
-from jaxbatch.spec_decode.speculative import SpecCounters, SpeculativeConfig, make_proposer
 
 
-class Scheduler(SpeculativeScheduling):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
-                 cache_namespace: str = "", speculative: SpeculativeConfig | None = None,
-                 proposer=None):
+                 cache_namespace: str = "", speculation=None):
         """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
-        block size): it roots every prefix-cache key. `speculative`: proposals verified in
-        the decode call (jaxbatch/spec_decode/speculative.py), or None; `proposer` overrides the one it
-        names (the engine builds draft models)."""
+        block size): it roots every prefix-cache key. `speculation`: the speculative planner
+        (jaxbatch/spec_decode/planner.py: `propose` after planning, `accept` after update),
+        or None."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -43,9 +40,7 @@ class Scheduler(SpeculativeScheduling):
         self.cache_namespace = cache_namespace
         self.prefix_cache_queries = 0    # tokens of admitted sequences looked up in the cache
         self.prefix_cache_hits = 0       # of which found there
-        self.speculative = speculative
-        self.proposer = proposer or (make_proposer(speculative) if speculative else None)
-        self.spec_counters = SpecCounters()
+        self.speculation = speculation
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs))
@@ -212,7 +207,7 @@ class Scheduler(SpeculativeScheduling):
         self.blocks.ensure_capacity(seq.seq_id, num_tokens)
         return True
 
-    def _sampling_row(self, seq: Sequence, ahead: list[int] = ()) -> SamplingRow:
+    def sampling_row(self, seq: Sequence, ahead: list[int] = ()) -> SamplingRow:
         """The row that samples the sequence's next token; `ahead`: proposed tokens assumed
         accepted before it (a verification row samples what plain decoding would sample there)."""
         p = seq.params
@@ -249,7 +244,7 @@ class Scheduler(SpeculativeScheduling):
             position = seq.num_tokens - 1
             decodes.append(DecodeEntry(seq.seq_id, seq.slot, seq.token_at(position), position,
                                        list(self.blocks.block_table(seq.seq_id))))
-            sampling[seq.seq_id] = self._sampling_row(seq)
+            sampling[seq.seq_id] = self.sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= 1
 
@@ -272,10 +267,11 @@ class Scheduler(SpeculativeScheduling):
                 list(self.blocks.block_table(seq.seq_id)), samples,
                 seq.params.prompt_logprobs if wants_prompt_lp else None, seq.slot))
             if samples:
-                sampling[seq.seq_id] = self._sampling_row(seq)
+                sampling[seq.seq_id] = self.sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= chunk
-        draft_sampling = self._speculate(decodes, budget, sampling) if self.proposer else {}
+        draft_sampling = (self.speculation.propose(self, decodes, budget, sampling)
+                          if self.speculation is not None else {})
         return StepPlan(self.step_count, prefills, decodes, sampling, draft_sampling)
 
     # ---- host/device overlap ----------------------------------------------------------------
@@ -291,7 +287,7 @@ class Scheduler(SpeculativeScheduling):
     def needs_tokens_to_plan(self, plan: StepPlan, seqs: dict[int, Sequence]) -> bool:
         """Whether the step after `plan` can only be planned once `plan`'s tokens are read:
         proposers read the tokens, penalties count them."""
-        if self.proposer is not None:
+        if self.speculation is not None:
             return True
         return any(_uses_penalties(seqs[i].params) for i in plan.sampling if i in seqs)
 
@@ -339,13 +335,13 @@ class Scheduler(SpeculativeScheduling):
                 continue
             assert seq.output_token_ids[-1] == PENDING_TOKEN, "a sampled token with no place"
             seq.output_token_ids.pop()
-            self._append(seq, sampled, now)
+            self.append_token(seq, sampled, now)
             if seq_id in drafts:
-                self._accept(seq, drafts[seq_id], result.draft_sampled[seq_id])
+                self.speculation.accept(self, seq, drafts[seq_id], result.draft_sampled[seq_id])
             advanced.append(seq)
         return advanced
 
-    def _append(self, seq: Sequence, sampled: SampledToken, now: float | None = None) -> None:
+    def append_token(self, seq: Sequence, sampled: SampledToken, now: float | None = None) -> None:
         seq.output_token_ids.append(sampled.token_id)
         if seq.params.logprobs is not None:
             top = dict(list((sampled.top_logprobs or {}).items())[: seq.params.logprobs])

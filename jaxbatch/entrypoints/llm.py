@@ -5,18 +5,21 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from jaxbatch.engine.llm_engine import LLMEngine
+from jaxbatch.engine.build import build_engine
+from jaxbatch.engine.interface import EngineClient
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
-        self.llm_engine = LLMEngine(model, **engine_kwargs)
+        """`engine_kwargs`: the engine options (jaxbatch/engine/config.py), plus `loaded=` /
+        `runner=` to share weights or compiled steps."""
+        self.llm_engine: EngineClient = build_engine(model, **engine_kwargs)
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: EngineClient) -> "LLM":
         llm = cls.__new__(cls)
         llm.llm_engine = engine
         llm._ids = itertools.count()
@@ -57,7 +60,7 @@ class LLM:
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        if getattr(engine, "is_leader", True) is False:
+        if not engine.is_leader:
             # Another process of a multi-process engine: process 0 has the requests and the
             # outputs; this one steps with it until its batch is done.
             engine.follow()
@@ -65,8 +68,7 @@ class LLM:
         try:
             return self._generate(engine, requests, use_tqdm)
         finally:
-            if hasattr(engine, "release"):
-                engine.release()
+            engine.release()
 
     def _generate(self, engine, requests, use_tqdm: bool) -> list[RequestOutput]:
         # All or nothing: check the whole batch before adding any of it.

@@ -1,3 +1,4 @@
-"""Scale-out: tensor parallelism over a jax Mesh (`mesh.py`, `sharding.py`), one engine over
-several processes joined by jax.distributed (`multihost.py`), and data-parallel replicas
-(`data_parallel.py`). The single-device engine does not import any of it."""
+"""Tensor parallelism over a jax Mesh (`mesh.py`, `sharding.py`): what the runner needs to split
+one model over several devices. The engines that span replicas or processes are engines, in
+`jaxbatch/engine/` (`data_parallel.py`, `multihost.py`). The single-device engine does not
+import any of it."""

@@ -30,10 +30,12 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
-    def __init__(self, model: str | LoadedModel, *, target_vocab_size: int, max_num_seqs: int,
-                 max_model_len: int, dtype: str, warmup: bool, compilation_cache: bool,
-                 attention_backend: str = "auto", draft_sampling: str = "greedy"):
-        from jaxbatch.engine.llm_engine import LLMEngine      # the draft is an engine itself
+    def __init__(self, model: str | LoadedModel, engine_class, *, target_vocab_size: int,
+                 max_num_seqs: int, max_model_len: int, dtype: str, warmup: bool,
+                 compilation_cache: bool, attention_backend: str = "auto",
+                 draft_sampling: str = "greedy"):
+        """`engine_class`: the draft is an engine itself (the engine passes its own class, so
+        this room never imports the engine's)."""
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
         if loaded.config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config model: vocabulary of {loaded.config.vocab_size} "
@@ -41,7 +43,7 @@ class DraftModelProposer:
                              "the target's tokenizer")
         # Past the draft's own context it proposes nothing (sequences longer than it can hold).
         self.max_len = min(max_model_len, loaded.config.max_position_embeddings)
-        self.engine = LLMEngine(
+        self.engine = engine_class(
             loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=False,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
@@ -75,7 +77,7 @@ class DraftModelProposer:
                 params = self._params((rows or {}).get(seq_id), k)
                 self.engine.add_request(rid, token_ids, params)
                 # The draft engine's sequence id keys the q its runner keeps.
-                draft_seq_id = self.engine._requests[rid].seqs[0].seq_id
+                draft_seq_id = self.engine.sequence_ids(rid)[0]
                 seq_of[rid] = (seq_id, draft_seq_id, len(token_ids), params.temperature > 0)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -1,39 +1,49 @@
-"""The scheduler's speculative decoding (jaxbatch/spec_decode/speculative.py has the settings and the
-proposers): which decoding sequences get proposals this step, from what the step leaves over,
-and how many of them stand once the step's samples are back. Mixed into `Scheduler`; pure
-Python, no JAX."""
+"""The speculative planner: the seam between speculative decoding and the scheduler.
+
+The engine hands one to the scheduler (`Scheduler(..., speculation=planner)`); the scheduler
+calls it twice a step and knows nothing else of speculation: `propose` once the step's decodes
+and prefills are planned (which decoding sequences get proposals, from what the step leaves
+over), and `accept` when a verified sequence's samples are back (how many proposals stand).
+It reaches the scheduler only through its public methods (`running`, `blocks`, `config`,
+`step_count`, `sampling_row`, `append_token`). Settings and proposers are in
+`speculative.py`; the draft-model proposer in `draft_model.py`. Pure Python, no JAX."""
 from __future__ import annotations
 
 from jaxbatch.core.plan import DecodeEntry, SampledToken, SamplingRow
 from jaxbatch.core.request import Sequence
-from jaxbatch.spec_decode.speculative import draft_probs
+from jaxbatch.spec_decode.speculative import (SpecCounters, SpeculativeConfig, draft_probs,
+                                              make_proposer)
 
 MAX_SPEC_BACKOFF = 16
 
 
-class SpeculativeScheduling:
-    """Uses the Scheduler's speculative, proposer, spec_counters, running, blocks, config,
-    step_count, _sampling_row and _append."""
+class SpeculativePlanner:
+    def __init__(self, config: SpeculativeConfig, proposer=None):
+        """`proposer`: overrides the one `config` names (the engine builds draft models)."""
+        self.config = config
+        self.proposer = proposer or make_proposer(config)
+        self.counters = SpecCounters()
 
-    def _speculate(self, decodes: list[DecodeEntry], budget: int,
-                   sampling: dict[int, SamplingRow]) -> dict[int, list[SamplingRow]]:
+    def propose(self, sched, decodes: list[DecodeEntry], budget: int,
+                sampling: dict[int, SamplingRow]) -> dict[int, list[SamplingRow]]:
         """Proposals for small decode batches, from what is left after everything else: the
-        token budget, rows of the largest decode bucket, free blocks (never a preemption)."""
-        spec = self.speculative
+        token budget, rows of the largest decode bucket, free blocks (never a preemption).
+        Fills each proposed DecodeEntry's drafts; returns the verification rows' sampling."""
+        spec = self.config
         if not decodes or len(decodes) > spec.max_batch_size:
             return {}
-        by_id = {s.seq_id: s for s in self.running}
-        rows_left = self.config.max_num_seqs - len(decodes)
+        by_id = {s.seq_id: s for s in sched.running}
+        rows_left = sched.config.max_num_seqs - len(decodes)
         wanted = {}
         for entry in decodes:
             seq = by_id[entry.seq_id]
             p = seq.params
             # Every proposal accepted still leaves room for the sample after it.
             k = min(spec.num_speculative_tokens, budget, rows_left,
-                    self.config.max_model_len - seq.num_tokens - 1)
+                    sched.config.max_model_len - seq.num_tokens - 1)
             if p.max_tokens is not None:
                 k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-            if k <= 0 or not p.speculate or self.step_count < seq.spec_resume_step:
+            if k <= 0 or not p.speculate or sched.step_count < seq.spec_resume_step:
                 continue
             wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
             budget -= k
@@ -45,19 +55,20 @@ class SpeculativeScheduling:
         for entry in decodes:
             seq, raw = by_id[entry.seq_id], proposals.get(entry.seq_id, ())
             proposal = list(raw)
-            while proposal and not self.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
+            while proposal and not sched.blocks.can_hold(seq.seq_id, seq.num_tokens + len(proposal)):
                 proposal.pop()
             if not proposal:
                 continue
-            self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens + len(proposal))
-            entry.block_table = list(self.blocks.block_table(seq.seq_id))
+            sched.blocks.ensure_capacity(seq.seq_id, seq.num_tokens + len(proposal))
+            entry.block_table = list(sched.blocks.block_table(seq.seq_id))
             entry.draft_token_ids = proposal
             entry.draft_probs = draft_probs(raw, len(proposal))
-            draft_sampling[seq.seq_id] = [self._sampling_row(seq, proposal[:i])
+            draft_sampling[seq.seq_id] = [sched.sampling_row(seq, proposal[:i])
                                           for i in range(1, len(proposal) + 1)]
         return draft_sampling
 
-    def _accept(self, seq: Sequence, drafts: list[int], samples: list[SampledToken]) -> None:
+    def accept(self, sched, seq: Sequence, drafts: list[int],
+               samples: list[SampledToken]) -> None:
         """A proposal stands while it equals the token sampled before it; each accepted one
         adds its row's sample. Stops apply token by token, so a run ends where plain decoding
         would end. KV of rejected proposals is dead: never counted computed, overwritten later."""
@@ -69,13 +80,21 @@ class SpeculativeScheduling:
                 break
             accepted += 1
             seq.num_computed_tokens += 1
-            self._append(seq, sampled)
-        self.spec_counters.record(len(drafts), accepted)
+            sched.append_token(seq, sampled)
+        self.counters.record(len(drafts), accepted)
         # A rejected row costs about what a decoding sequence does on a CPU: a sequence whose
         # proposals are mostly wrong (its text does not repeat) stops proposing for a while
         # (1, 2, 4 .. MAX_SPEC_BACKOFF steps); a mostly accepted proposal resumes it at once.
         paid_off = 2 * accepted >= len(drafts)
         seq.spec_backoff = 0 if paid_off else min(MAX_SPEC_BACKOFF, max(1, 2 * seq.spec_backoff))
-        seq.spec_resume_step = self.step_count + 1 + seq.spec_backoff
+        seq.spec_resume_step = sched.step_count + 1 + seq.spec_backoff
         if not seq.is_finished:
-            self.blocks.shrink(seq.seq_id, seq.num_tokens)
+            sched.blocks.shrink(seq.seq_id, seq.num_tokens)
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"speculative_method": self.config.method, "spec_num_drafts": c.num_drafts,
+                "spec_num_draft_tokens": c.num_draft_tokens,
+                "spec_num_accepted_tokens": c.num_accepted_tokens,
+                "spec_accepted_per_position": list(c.accepted_per_position),
+                "spec_mean_accepted_length": c.mean_accepted_length}

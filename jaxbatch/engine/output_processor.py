@@ -1,5 +1,10 @@
-"""One request as the engine tracks it: its sequences (one per completion), their incremental
-detokenizers and stop strings, and the `RequestOutput` built from them. Pure Python, no JAX."""
+"""The output processor: text, stop strings and `RequestOutput`s, after the scheduler's update.
+
+It owns each request's `RequestState` (its sequences, one per completion, and their
+incremental detokenizers) from `add_request` until the request's final output. Each step it
+is handed the sequences that got tokens; it decodes them, finds stop strings, and returns
+verdicts (which sequence stops, on which string) that the engine hands to the scheduler — it
+never changes the scheduler itself — then builds the outputs. Pure Python, no JAX."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,12 +32,13 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
-    def apply_stop_strings(self, seq: Sequence, tokenizer, finish) -> None:
-        """Decodes the sequence's new tokens (jaxbatch/engine/detokenizer.py) and ends it at the first
-        stop string, through `finish(seq, status, stop)` (the scheduler's); its text is then cut
-        before the stop string (the tokens up to the one completing it stay)."""
+    def find_stop_string(self, seq: Sequence, tokenizer) -> str | None:
+        """Decodes the sequence's new tokens (jaxbatch/engine/detokenizer.py) and returns the
+        stop string that ends it, if it is still running and one appeared: the caller finishes
+        it. The tokens after the one completing the stop string are cut (an accepted
+        speculative run may hold several); its text is cut before the stop string."""
         if tokenizer is None:
-            return
+            return None
         detok = self.detoks.get(seq.index)
         if detok is None:
             detok = self.detoks[seq.index] = IncrementalDetokenizer(
@@ -50,11 +56,12 @@ class RequestState:
         elif end < len(ids):
             del ids[end:]
             del seq.output_logprobs[end:]
-        if stop is not None and seq.status is not SequenceStatus.FINISHED_ABORTED:
-            if seq.is_finished:   # the same token also ended it by length or EOS
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            else:
-                finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        if stop is None or seq.status is SequenceStatus.FINISHED_ABORTED:
+            return None
+        if seq.is_finished:   # the same token also ended it by length or EOS: a stop, then
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            return None
+        return stop
 
     def _text(self, seq: Sequence) -> str:
         """Finished: the whole text (without the stop string). Running: the part that is safe
@@ -86,3 +93,45 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              prompt_lp, completions, self.finished, metrics,
                              num_cached_tokens=seqs[0].num_cached_tokens or 0)
+
+
+class OutputProcessor:
+    """Every unfinished request's state, keyed by request id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def stop_strings(self, advanced: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """Verdicts for this step's advanced sequences: (sequence, stop string) to finish."""
+        verdicts = []
+        for seq in advanced:
+            stop = self.requests[seq.request_id].find_stop_string(seq, self.tokenizer)
+            if stop is not None:
+                verdicts.append((seq, stop))
+        return verdicts
+
+    def outputs(self, advanced: list[Sequence]) -> tuple[list[RequestOutput], list[Sequence]]:
+        """One output per request that advanced, in order; returns the outputs and the
+        sequences of requests that just finished (the engine forgets them)."""
+        outputs, done = [], []
+        for rid in dict.fromkeys(seq.request_id for seq in advanced):
+            state = self.requests[rid]
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[rid]
+                done += state.seqs
+        return outputs, done
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Forgets the request; its state (to finish its sequences and build the final output)."""
+        return self.requests.pop(request_id, None)

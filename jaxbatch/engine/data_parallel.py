@@ -22,6 +22,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
+from jaxbatch.engine.interface import EngineBase
+
 
 @dataclasses.dataclass
 class _Routed:
@@ -36,7 +38,7 @@ class _Routed:
         return (0 if self.started else self.prompt_tokens) + self.max_new_tokens - self.generated
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineBase):
     def __init__(self, replicas: list):
         if not replicas:
             raise ValueError("data_parallel_size must be at least 1")
@@ -44,9 +46,11 @@ class DataParallelEngine:
         self._routed: dict[str, _Routed] = {}
         self._threads = concurrent.futures.ThreadPoolExecutor(len(replicas),
                                                               thread_name_prefix="dp-replica")
-
-    def __getattr__(self, name):      # tokenizer, config, model_config: every replica's agree
-        return getattr(self.replicas[0], name)
+        # Every replica's agree.
+        first = replicas[0]
+        self.tokenizer, self.model_config, self.config = (first.tokenizer, first.model_config,
+                                                          first.config)
+        self.eos_token_ids = first.eos_token_ids
 
     # ---- requests --------------------------------------------------------------------------
     def outstanding_work(self) -> list[int]:
@@ -81,6 +85,12 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def has_pending_outputs(self) -> bool:
+        return any(r.has_pending_outputs() for r in self.replicas)
+
+    def cached_prefix_tokens(self, prompt_token_ids, params) -> int:
+        return max(r.cached_prefix_tokens(prompt_token_ids, params) for r in self.replicas)
+
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 
@@ -88,7 +98,8 @@ class DataParallelEngine:
     def step(self):
         # Aborted requests' final outputs wait in a replica's step() too, so step every replica
         # with anything pending, not only those with unfinished requests.
-        busy = [r for r in self.replicas if r.has_unfinished_requests() or r._pending_outputs]
+        busy = [r for r in self.replicas
+                if r.has_unfinished_requests() or r.has_pending_outputs()]
         if len(busy) == 1:
             per_replica = [busy[0].step()]
         else:

@@ -28,6 +28,8 @@ import time
 import jax
 import numpy as np
 
+from jaxbatch.engine.interface import EngineBase
+
 logger = logging.getLogger(__name__)
 
 _RELEASE = "release"   # the leader left its step loop (LLM.generate returned): followers return
@@ -67,16 +69,35 @@ def _broadcast(payload: bytes | None) -> bytes:
     return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size].tobytes()
 
 
-class MultiHostEngine:
-    """LLMEngine's interface over this process's engine; see the module doc."""
+class MultiHostEngine(EngineBase):
+    """The engine interface over this process's engine; see the module doc."""
 
     def __init__(self, engine):
         self.engine = engine
         self.is_leader = jax.process_index() == 0
         self._commands: list[tuple] = []
+        self.tokenizer, self.model_config, self.config = (engine.tokenizer, engine.model_config,
+                                                          engine.config)
+        self.eos_token_ids = engine.eos_token_ids
 
-    def __getattr__(self, name):      # tokenizer, config, model_config, stats, ...
-        return getattr(self.engine, name)
+    # Questions every process can answer alike.
+    def validate_request(self, *args, **kwargs):
+        return self.engine.validate_request(*args, **kwargs)
+
+    def has_pending_outputs(self) -> bool:
+        return self.engine.has_pending_outputs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def cached_prefix_tokens(self, prompt_token_ids, params) -> int:
+        return self.engine.cached_prefix_tokens(prompt_token_ids, params)
+
+    def warmup(self) -> float:
+        return self.engine.warmup()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
 
     # ---- leader: requests ------------------------------------------------------------------
     def _leader_only(self, what: str) -> None:

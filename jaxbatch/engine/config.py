@@ -1,0 +1,205 @@
+"""Every engine option, once: its name, default, help text and check.
+
+The options are grouped by the room that uses them (model, cache, scheduler, speculative,
+parallel, runtime). `LLM(...)`, `LLMEngine(...)` and `build_engine(...)` take them as keyword
+arguments (`EngineConfig.from_kwargs`); `jaxbatch serve` gets one flag per option from
+`add_engine_flags`, dashes for underscores (vLLM's spelling), and the README's option table is
+checked against the same list (tests/engine/test_config.py). Pure Python, no I/O: sizes that
+need the model or the device (`max_model_len=None`, `num_blocks=None`) are resolved when the
+engine is built (`engine/setup.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+POLICIES = ("fcfs", "priority", "shortest_prompt_first")
+BATCHING_MODES = ("continuous", "static")
+ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = (None, "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+NON_NEGATIVE = ("seed", "process_id")
+
+
+def option(default, help: str, choices: tuple | None = None, positional: bool = False):
+    """A dataclass field carrying what a flag needs besides its name."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "choices": choices, "positional": positional})
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    model: str | None = option(
+        None, "HF directory or .gguf file; omitted: the embedded SmolLM2-135M-Instruct",
+        positional=True)
+    dtype: str = option("auto", "weights and activations dtype; auto: the checkpoint's float "
+                        "type as the engine supports it (see stats()['dtype'])", DTYPES)
+    quantization: str | None = option(
+        None, "int8: weight-only int8 layer matrices, one scale per output channel",
+        QUANTIZATIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    block_size: int = option(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = option(None, "KV blocks in the pool; None: sized from "
+                                    "kv_cache_memory_bytes")
+    kv_cache_memory_bytes: int | None = option(
+        None, "pool budget when num_blocks is None (1 GiB on CPU, half the free device "
+        "memory on GPU)")
+    kv_cache_dtype: str = option("auto", "int8: KV cache as int8 with a float32 scale per "
+                                 "token and KV head", KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(
+        True, "share the KV of prompt prefixes already computed")
+    prefix_cache_granularity: str = option(
+        "chunk", "chunk: prefix hits in whole prefill chunks, outputs exactly as with the "
+        "cache off; block: in whole blocks, as vLLM (short system prompts shared too)",
+        ("chunk", "block"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOptions:
+    max_num_seqs: int = option(32, "slots in the decode batch")
+    max_model_len: int | None = option(None, "longest sequence (prompt + output); None: the "
+                                       "model's, at most 8192")
+    max_num_batched_tokens: int | None = option(
+        None, "per-step token budget (decode + prefill chunk tokens); None: max_num_seqs + "
+        "prefill_chunk_size")
+    prefill_chunk_size: int | None = option(
+        None, "tokens per prefill chunk (a power of two); None: 256, or what fits the budget")
+    scheduling_policy: str = option("fcfs", "order of admission and preemption", POLICIES)
+    batching: str = option("continuous", "static: admit a new group only when the whole "
+                           "previous group has finished (the baseline)", BATCHING_MODES)
+    async_scheduling: bool = option(
+        True, "plan each step while the previous one runs on the device (outputs are the "
+        "same without it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions:
+    speculative_config: dict | None = option(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3} '
+        'or {"method": "draft_model", "model": PATH, "draft_sampling": "sampled"}')
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    tensor_parallel_size: int = option(1, "split the model over this many devices (every "
+                                       "process's, with num_processes)")
+    data_parallel_size: int = option(1, "independent engine replicas; each request goes to the "
+                                     "replica with the least outstanding work")
+    num_processes: int = option(1, "processes (hosts) joined by jax.distributed into one "
+                                "engine; process 0 takes the requests, the others follow")
+    process_id: int = option(0, "this process's index among num_processes")
+    coordinator_address: str | None = option(None, "HOST:PORT of process 0's jax.distributed "
+                                             "coordinator")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    seed: int = option(0, "seeds the per-request seeds of requests that give none")
+    attention_backend: str = option("auto", "auto: pallas on a GPU whose jax lowers the "
+                                    "kernels, xla elsewhere", ATTENTION_BACKENDS)
+    warmup: bool = option(True, "compile every step shape before the first request, so nothing "
+                          "compiles while serving")
+    compilation_cache: bool = option(True, "keep compiled and lowered steps on disk "
+                                     "(~/.cache/jaxbatch, or $JAXBATCH_CACHE)")
+
+
+GROUPS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
+          "speculative": SpeculativeOptions, "parallel": ParallelOptions,
+          "runtime": RuntimeOptions}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+    cache: CacheOptions = dataclasses.field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = dataclasses.field(default_factory=SchedulerOptions)
+    speculative: SpeculativeOptions = dataclasses.field(default_factory=SpeculativeOptions)
+    parallel: ParallelOptions = dataclasses.field(default_factory=ParallelOptions)
+    runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
+
+    def __post_init__(self):
+        for name, value in self.as_kwargs().items():
+            _check(name, value, OPTIONS[name])
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        unknown = sorted(set(kwargs) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(OPTIONS)}")
+        groups = {}
+        for group, kind in GROUPS.items():
+            names = {f.name for f in dataclasses.fields(kind)}
+            groups[group] = kind(**{k: v for k, v in kwargs.items() if k in names})
+        return cls(**groups)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Every option by name (the flat form LLM(...) takes)."""
+        return {f.name: getattr(getattr(self, group), f.name)
+                for group in GROUPS for f in dataclasses.fields(getattr(self, group))}
+
+    def replace(self, **kwargs) -> "EngineConfig":
+        return EngineConfig.from_kwargs(**{**self.as_kwargs(), **kwargs})
+
+
+# name -> dataclasses.Field, in declaration order.
+OPTIONS: dict[str, dataclasses.Field] = {
+    f.name: f for kind in GROUPS.values() for f in dataclasses.fields(kind)}
+
+
+def _check(name: str, value, field: dataclasses.Field) -> None:
+    choices = field.metadata["choices"]
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={value!r}; choose one of "
+                         f"{', '.join(str(c) for c in choices)}")
+    if field.type in ("int", "int | None") and value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < (
+                0 if name in NON_NEGATIVE else 1):
+            raise ValueError(f"{name}={value!r} must be "
+                             f"{'>= 0' if name in NON_NEGATIVE else 'a positive integer'}")
+    if field.type == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option (the model is the positional argument), defaults shown."""
+    for name, field in OPTIONS.items():
+        meta = field.metadata
+        if meta["positional"]:
+            parser.add_argument(name, nargs="?", default=field.default, help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = {"default": field.default, "help": meta["help"], "dest": name}
+        if field.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.type.startswith("int"):
+            kwargs["type"] = int
+        elif field.type.startswith("dict"):
+            kwargs["type"] = _json_object
+        if meta["choices"] is not None:
+            kwargs["choices"] = [c for c in meta["choices"] if c is not None]
+        parser.add_argument(flag_name(name), **kwargs)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine flags as LLM(...) keyword arguments."""
+    return {name: getattr(args, name) for name in OPTIONS}

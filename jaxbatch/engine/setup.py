@@ -1,0 +1,140 @@
+"""What building one engine takes, in the order it happens: weights, sizes, the speculative
+planner, the runner. `LLMEngine.__init__` calls these; each is a plain function of the options
+(`engine/config.py`) and what the previous ones made, so a reader sees every decision here
+and nowhere else."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxbatch.core.config import SchedulerConfig
+from jaxbatch.engine.config import EngineConfig
+from jaxbatch.model import llama
+from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.model.quantize import params_are_quantized, quantize_params
+from jaxbatch.spec_decode.draft_model import DraftModelProposer
+from jaxbatch.spec_decode.planner import SpeculativePlanner
+from jaxbatch.spec_decode.speculative import SpeculativeConfig
+from jaxbatch.worker import compile_cache
+from jaxbatch.worker.kv_cache import blocks_for_budget
+from jaxbatch.worker.runner import ModelRunner
+
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_MAX_MODEL_LEN = 8192
+CPU_KV_BUDGET_BYTES = 1 << 30
+GPU_KV_MEMORY_FRACTION = 0.5
+
+
+def load_weights(config: EngineConfig, loaded: LoadedModel | None,
+                 devices=None) -> LoadedModel:
+    """The checkpoint's weights (or `loaded`'s), quantized as asked and stacked per layer."""
+    m = config.model
+    # Split over devices: weights stay on the host until each device takes its slice.
+    on_device = config.parallel.tensor_parallel_size == 1 and devices is None
+    loaded = loaded or load_model(m.model, m.dtype, quantization=m.quantization,
+                                  on_device=on_device)
+    if m.quantization == "int8" and not params_are_quantized(loaded.params):
+        # Weights given in full precision (loaded=): quantize a copy, the caller's stay.
+        loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params))
+    elif m.quantization is None and params_are_quantized(loaded.params):
+        raise ValueError("loaded= holds int8 weights; pass quantization='int8'")
+    # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
+    loaded.params = llama.stack_layers(loaded.params)
+    return loaded
+
+
+def scheduler_config(config: EngineConfig, mc: ModelConfig, param_dtype) -> SchedulerConfig:
+    """The options resolved against the model and the device: max_model_len, the prefill
+    chunk and budget, the pool's size."""
+    s, c = config.scheduler, config.cache
+    max_model_len = s.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > mc.max_position_embeddings:
+        window = (f" (capped at its sliding_window={mc.sliding_window}: attention here is "
+                  f"full causal, exact only within the window)" if mc.sliding_window else "")
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mc.max_position_embeddings}{window}")
+    budget, chunk = s.max_num_batched_tokens, s.prefill_chunk_size
+    if budget is None:
+        chunk = chunk or DEFAULT_PREFILL_CHUNK
+        budget = s.max_num_seqs + chunk
+    elif chunk is None:
+        # The largest power of two that fits beside a full decode batch.
+        room = max(1, budget - s.max_num_seqs)
+        chunk = min(DEFAULT_PREFILL_CHUNK, 1 << (room.bit_length() - 1))
+    num_blocks = c.num_blocks
+    if num_blocks is None:
+        num_blocks = default_num_blocks(mc, c.block_size, param_dtype, s.max_num_seqs,
+                                        max_model_len, c.kv_cache_memory_bytes,
+                                        c.kv_cache_dtype)
+    return SchedulerConfig(
+        max_num_seqs=s.max_num_seqs, block_size=c.block_size, num_blocks=num_blocks,
+        max_model_len=max_model_len, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
+        scheduling_policy=s.scheduling_policy, batching=s.batching,
+        enable_prefix_caching=c.enable_prefix_caching,
+        prefix_cache_granularity=c.prefix_cache_granularity)
+
+
+def default_num_blocks(mc, block_size, dtype, max_num_seqs, max_model_len, budget,
+                       kv_cache_dtype="auto") -> int:
+    if budget is None:
+        if jax.default_backend() == "cpu":
+            budget = CPU_KV_BUDGET_BYTES
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            free = stats.get("bytes_limit", 16 << 30) - stats.get("bytes_in_use", 0)
+            budget = int(free * GPU_KV_MEMORY_FRACTION)
+    useful = max_num_seqs * -(-max_model_len // block_size) + 1
+    return int(min(blocks_for_budget(mc, block_size, dtype, budget, kv_cache_dtype), useful))
+
+
+def cache_namespace(loaded: LoadedModel, config: EngineConfig, param_dtype) -> str:
+    """What the KV depends on besides the tokens: cached blocks are keyed under it."""
+    return (f"{loaded.source}|{param_dtype}|{loaded.config}|block_size={config.cache.block_size}"
+            f"|kv={config.cache.kv_cache_dtype}|weights={config.model.quantization}")
+
+
+def speculative_planner(spec: SpeculativeConfig | None, config: EngineConfig,
+                        sched: SchedulerConfig, vocab_size: int,
+                        engine_class) -> SpeculativePlanner | None:
+    """The planner the scheduler is handed; a draft model runs as an engine of its own
+    (`engine_class`, passed in so that spec_decode never imports the engine)."""
+    if spec is None:
+        return None
+    proposer = None
+    if spec.method == "draft_model":
+        rt = config.runtime
+        proposer = DraftModelProposer(
+            spec.model, engine_class, target_vocab_size=vocab_size,
+            max_num_seqs=spec.max_batch_size, max_model_len=sched.max_model_len,
+            dtype=config.model.dtype, warmup=rt.warmup, compilation_cache=rt.compilation_cache,
+            attention_backend=rt.attention_backend, draft_sampling=spec.draft_sampling)
+    return SpeculativePlanner(spec, proposer)
+
+
+def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfig,
+                devices=None) -> ModelRunner:
+    tp = None
+    if config.parallel.tensor_parallel_size != 1 or devices is not None:
+        from jaxbatch.parallel.sharding import TensorParallel
+        tp = TensorParallel(config.parallel.tensor_parallel_size, devices)
+    rt = config.runtime
+    return ModelRunner(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
+                       rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
+                       lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None)
+
+
+def check_shared_runner(runner: ModelRunner, sched: SchedulerConfig,
+                        config: EngineConfig) -> None:
+    """`runner=` reuses another engine's compiled steps and pool: same shapes only."""
+    mine = (sched.max_num_seqs, sched.num_blocks, sched.block_size, sched.max_model_len,
+            sched.prefill_chunk_size, config.cache.kv_cache_dtype,
+            config.model.quantization == "int8")
+    theirs = (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
+              runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,
+              params_are_quantized(runner.params))
+    if mine != theirs:
+        raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
+                         "max_model_len, prefill chunk size, kv_cache_dtype and "
+                         "quantization as this engine")
