@@ -7,22 +7,22 @@ grow; when they run out the policy's worst running sequence is preempted (its bl
 its tokens recomputed later). `update` appends the sampled tokens and applies token-level stops;
 stop strings need the tokenizer and are the engine's job (it calls `finish`).
 
-Prefix caching (when enabled): an admitted sequence starts from the longest run of cached blocks
-matching its tokens, cut to a multiple of its own prefill chunk size and short of its last token,
-so everything after the hit is computed exactly as without the cache; after each full prefill
-chunk, the blocks it completed are registered for later prompts.
+Blocks and the prefix cache belong to the KV cache manager (`kv_cache_manager.py`): an admitted
+sequence starts from the computed blocks it finds there; the blocks each dispatched prefill
+chunk completed are handed back to it for later prompts. Speculative decoding reaches the
+scheduler through the planner it is handed (`spec_decode/planner.py`): `propose` after the
+plan, `accept` in `update`.
 """
 from __future__ import annotations
 
 import bisect
 import time
 
-from jaxbatch.core.block_manager import BlockManager
 from jaxbatch.core.config import SchedulerConfig
+from jaxbatch.core.kv_cache_manager import KVCacheManager
 from jaxbatch.core.plan import (PENDING_TOKEN, DecodeEntry, PrefillChunk, SampledToken, SamplingRow,
                            StepPlan, StepResult)
 from jaxbatch.core.policies import policy_key
-from jaxbatch.core.prefix_cache import extend_keys, root_key
 from jaxbatch.core.request import Sequence, SequenceStatus
 
 
@@ -35,11 +35,8 @@ class Scheduler:
         or None."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.blocks = BlockManager(config.num_blocks, config.block_size,
-                                   config.enable_prefix_caching)
-        self.cache_namespace = cache_namespace
-        self.prefix_cache_queries = 0    # tokens of admitted sequences looked up in the cache
-        self.prefix_cache_hits = 0       # of which found there
+        self.kv_cache = KVCacheManager(config, cache_namespace)
+        self.blocks = self.kv_cache.blocks      # allocation: grow, shrink, free, block tables
         self.speculation = speculation
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -103,13 +100,13 @@ class Scheduler:
                 break
             if self._sibling_computing_prompt(seq):
                 continue   # it finds the prompt in the cache once the sibling has computed it
-            hits = self._prefix_hit(seq)
+            hits = self.kv_cache.computed_blocks(seq)
             need = self.blocks.num_blocks_taken_by(hits, seq.num_tokens + 1)
             if outstanding + need > self.blocks.num_free_blocks:
                 break  # do not let a later, smaller request overtake the policy's order
             self.waiting.remove(seq)
             free_before = self.blocks.num_free_blocks
-            self._start_from_cache(seq, hits)
+            self.kv_cache.start_from_cache(seq, hits)
             # Parked hits left the free count just now; only the new blocks are still owed.
             outstanding += need - (free_before - self.blocks.num_free_blocks)
             seq.slot = self.free_slots.pop(0)
@@ -118,81 +115,30 @@ class Scheduler:
                 seq.first_scheduled_time = now
             self.running.append(seq)
 
-    # ---- prefix caching ------------------------------------------------------------------
-    def _keys(self, seq: Sequence, num_blocks: int, token_ids: list[int]) -> list[bytes]:
-        root = root_key(self.cache_namespace, seq.params.cache_salt)
-        return extend_keys(seq.block_keys, root, token_ids, self.config.block_size, num_blocks)
-
-    def _cacheable_prefix(self, num_tokens: int) -> int:
-        """The longest hit allowed for a sequence of `num_tokens`: on its own chunk boundaries
-        and short of its last token, whose logits are needed."""
-        g = self.config.prefix_hit_granularity
-        return (num_tokens - 1) // g * g
-
-    def _cached_run(self, token_ids: list[int], cache_salt: str | None,
-                    keys: list[bytes]) -> list[int]:
-        """The cached blocks a sequence of these tokens may start from: the longest cached run,
-        cut to the allowed prefix in whole chunks. `keys` memoises the block keys (extended)."""
-        bs, g = self.config.block_size, self.config.prefix_hit_granularity
-        limit = self._cacheable_prefix(len(token_ids))
-        if limit == 0:
-            return []
-        root = root_key(self.cache_namespace, cache_salt)
-        extend_keys(keys, root, token_ids, bs, limit // bs)
-        hits = self.blocks.cached_prefix(keys[:limit // bs], token_ids[:limit], root)
-        return hits[:len(hits) // (g // bs) * (g // bs)]
-
-    def _prefix_hit(self, seq: Sequence) -> list[int]:
-        """Cached blocks this sequence may start from. Requests for prompt logprobs compute
-        their whole prompt (a hit has no logits)."""
-        if self.blocks.prefix_index is None or seq.params.prompt_logprobs is not None:
-            return []
-        return self._cached_run(seq.prompt_token_ids + seq.output_token_ids,
-                                seq.params.cache_salt, seq.block_keys)
-
-    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Tokens a new request with this prompt would find in the cache now (a router's
-        question: data-parallel replicas send a request where its prefix is). Changes nothing."""
-        if self.blocks.prefix_index is None:
-            return 0
-        return len(self._cached_run(list(token_ids), cache_salt, [])) * self.config.block_size
-
-    def _start_from_cache(self, seq: Sequence, hits: list[int]) -> None:
-        hit_tokens = len(hits) * self.config.block_size
-        if hits:
-            self.blocks.share_cached(seq.seq_id, hits)
-            seq.num_computed_tokens = hit_tokens
-        if self.blocks.prefix_index is not None and seq.params.prompt_logprobs is None:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += hit_tokens
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
-
+    # ---- prefix caching (the KV cache manager's; the scheduler decides when) ----------------
     def _sibling_computing_prompt(self, seq: Sequence) -> bool:
         """n > 1: a later sample waits while an earlier one of the same request computes the
         cacheable part of their shared prompt, then starts from it instead of computing it too."""
-        if (self.blocks.prefix_index is None or seq.index == 0 or self.config.batching == "static"
+        if (not self.kv_cache.caching or seq.index == 0 or self.config.batching == "static"
                 or seq.params.prompt_logprobs is not None):
             return False
-        limit = self._cacheable_prefix(seq.num_prompt_tokens)
+        limit = self.kv_cache.cacheable_prefix(seq.num_prompt_tokens)
         return limit > 0 and any(s.request_id == seq.request_id and s.index < seq.index
                                  and s.num_computed_tokens < limit for s in self.running)
 
-    def _register_computed_blocks(self, seq: Sequence, chunk: PrefillChunk) -> None:
-        """The full blocks a prefill chunk completed. "chunk" granularity registers only full
-        chunks: their blocks hold exactly what a cold run computes for this prefix (every
-        earlier chunk of the run was full too, or came from the cache)."""
-        bs = self.config.block_size
-        end = chunk.start + len(chunk.token_ids)
-        tokens = seq.tokens(0, end // bs * bs)
-        keys = self._keys(seq, end // bs, tokens)
-        root = root_key(self.cache_namespace, seq.params.cache_salt)
-        for i in range(chunk.start // bs, end // bs):
-            self.blocks.register_cached(seq.seq_id, i, keys[i], keys[i - 1] if i else root,
-                                        tokens[i * bs:(i + 1) * bs])
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        return self.kv_cache.cached_prefix_tokens(token_ids, cache_salt)
 
     def reset_prefix_cache(self) -> None:
-        self.blocks.reset_prefix_cache()
+        self.kv_cache.reset_prefix_cache()
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache.prefix_cache_hits
 
     # ---- step planning -------------------------------------------------------------------
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
@@ -303,10 +249,7 @@ class Scheduler:
             if seq is None or seq.is_finished:
                 continue
             seq.num_computed_tokens += len(chunk.token_ids)
-            if self.blocks.prefix_index is not None and (
-                    len(chunk.token_ids) == self.config.prefill_chunk_size
-                    or self.config.prefix_cache_granularity == "block"):
-                self._register_computed_blocks(seq, chunk)
+            self.kv_cache.cache_computed_blocks(seq, chunk.start, len(chunk.token_ids))
         for entry in plan.decodes:
             seq = seqs.get(entry.seq_id)
             if seq is not None and not seq.is_finished:
