@@ -63,7 +63,7 @@ def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq):
     meta = (jnp.reshape(start + chunk, (1,)).astype(jnp.int32),               # kv_lens [1]
             jnp.arange(1, pages + 1, dtype=jnp.int32)[None],                    # pages [1, P]
             jnp.asarray([0, chunk], jnp.int32), jnp.int32(1))
-    attend = attention.prefill_attend("reference", meta, cfg.head_dim ** -0.5)
+    attend = attention.get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend,
                                         inv_freq)
     return jax.nn.log_softmax(llama.compute_logits(params, hidden), axis=-1), pool

@@ -97,7 +97,7 @@ def decode_step_ab(params_by_name, cfg, rows, context, reps):
     items = decode_work_items([(i, list(tables[i]), context) for i in range(rows)], rows,
                               BLOCK_SIZE, num_decode_items(lengths, BLOCK_SIZE))
     meta = tuple(jnp.asarray(a) for a in items) + (jnp.asarray(lengths),)
-    attend = attention.decode_attend("xla", meta, cfg.head_dim ** -0.5)
+    attend = attention.get_backend("xla").decode_attend(meta, cfg.head_dim ** -0.5)
     tokens = jnp.ones(rows, jnp.int32)
     positions = jnp.full(rows, context - 1, jnp.int32)
     slots = jnp.asarray(tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1)

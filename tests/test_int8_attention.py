@@ -100,7 +100,7 @@ def test_decode_on_int8_pool_equals_reference_over_dequantized_pool(
         meta = tuple(jnp.asarray(a) for a in items) + (lengths_j,)
     else:
         meta = (jnp.asarray(tables), lengths_j)
-    attend = attention.decode_attend(backend, meta, head_dim ** -0.5)
+    attend = attention.get_backend(backend).decode_attend(meta, head_dim ** -0.5)
     out = attend(q, pool[0], pool[1], jnp.int32(0), scales=pool[2:])
     _check(out, ref, dtype, rng.seed, empty_rows=[0])
 

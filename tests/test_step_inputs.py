@@ -9,7 +9,13 @@ import pytest
 
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.core.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan
+from jaxbatch.worker.attention.block_tables import BlockTableBackend
+from jaxbatch.worker.attention.work_lists import WorkListBackend
 from jaxbatch.worker.step_inputs import StepLayout
+
+# One backend of each metadata kind, and the one-chunk-per-call oracle.
+BACKENDS = {"xla": WorkListBackend(), "pallas": BlockTableBackend("pallas"),
+            "reference": BlockTableBackend("reference")}
 
 CONFIGS = [
     # max_num_seqs and max_model_len that are not powers of two, and a roomy one.
@@ -47,9 +53,10 @@ def _prefill_plans(cfg, chunks_per_call):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["odd_sizes", "roomy"])
-@pytest.mark.parametrize("work_lists,chunks_per_call", [(True, 8), (False, 8), (False, 1)])
-def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, work_lists, chunks_per_call):
-    layout = StepLayout(cfg, work_lists, chunks_per_call)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, backend):
+    layout = StepLayout(cfg, BACKENDS[backend])
+    chunks_per_call = layout.chunks_per_call
     keys = set(layout.executable_keys())
     assert len(keys) == len(layout.executable_keys()), "a key is listed twice"
     seen = set()
@@ -67,8 +74,8 @@ def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, work_lists, chunks_
 
 def test_placeholder_calls_have_the_shapes_of_real_calls():
     cfg = CONFIGS[0]
-    for work_lists in (True, False):
-        layout = StepLayout(cfg, work_lists, 8)
+    for backend in ("xla", "pallas"):
+        layout = StepLayout(cfg, BACKENDS[backend])
         plan = next(_decode_plans(cfg))
         real = layout.decode_call(plan)
         fake = layout.placeholder_call(*real.key)

@@ -36,7 +36,7 @@ from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
-from jaxbatch.worker.step_inputs import MAX_CHUNKS_PER_CALL, ModelCall, StepLayout
+from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slo
     """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
     `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
     tokens = jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)   # [B]
-    attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
+    attend = backend.decode_attend(attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [B, d]
     return llama.compute_logits(params, hidden), pool                           # [B, V]
@@ -54,7 +54,7 @@ def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slo
 
 def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index, *,
                      cfg, backend, inv_freq, per_shard=llama.unsharded):
-    attend = attention.prefill_attend(backend, attn_meta, cfg.head_dim ** -0.5)
+    attend = backend.prefill_attend(attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
@@ -94,10 +94,10 @@ class ModelRunner:
             model_cfg, params = self.tp.prepare(model_cfg, params)
         self.model_cfg = model_cfg
         self.params = params
-        self.backend = attention.resolve_backend(attention_backend)
-        # The oracle's ragged attention costs tokens x sequences x context: one chunk per call.
-        chunks_per_call = 1 if self.backend == "reference" else MAX_CHUNKS_PER_CALL
-        self.layout = StepLayout(sched_cfg, attention.uses_work_lists(self.backend), chunks_per_call)
+        self.attention = attention.get_backend(attention_backend)
+        self.backend = self.attention.name
+        chunks_per_call = self.attention.chunks_per_call
+        self.layout = StepLayout(sched_cfg, self.attention)
         self.kv_cache_dtype = kv_cache_dtype
         # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
         if self.tp is None:
@@ -107,7 +107,7 @@ class ModelRunner:
             self.pool = self.tp.allocate_pool(model_cfg, sched_cfg.num_blocks,
                                               sched_cfg.block_size, dtype)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
-        common = dict(cfg=model_cfg, backend=self.backend, inv_freq=self._inv_freq,
+        common = dict(cfg=model_cfg, backend=self.attention, inv_freq=self._inv_freq,
                       per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
         self._functions = {  # kind -> (function, index of the donated pool argument or None,
             #                           number of outputs: the pool, when donated, is the last)
@@ -120,7 +120,7 @@ class ModelRunner:
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
         self._store = None
-        if lowered_dir is not None and self.tp is None and self.backend in ("xla", "reference"):
+        if lowered_dir is not None and self.tp is None and self.attention.exportable:
             self._store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
                 model_cfg, sched_cfg, jnp.dtype(dtype).name, self.backend, kv_cache_dtype,
                 chunks_per_call))

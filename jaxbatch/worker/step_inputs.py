@@ -9,7 +9,7 @@ An engine step makes at most two kinds of model call:
            the rows can have (its attention loops over the items in use at run time, so the
            key is rows only); the other backends' block tables, padded to a page bucket.
   prefill  the step's prefill chunks packed into one call (more only when they overflow the
-           largest token bucket or MAX_CHUNKS_PER_CALL), tokens padded to a bucket; xla's tile
+           largest token bucket or the backend's chunks_per_call), tokens padded to a bucket; xla's tile
            tables span max_pages_per_seq (its attention stops at the call's last position),
            the others' block tables a page bucket.
 Buckets are powers of two (and, for xla's prefill tokens, 1.5x steps between them), so the set
@@ -24,11 +24,11 @@ import numpy as np
 
 from jaxbatch.core.config import SchedulerConfig, next_power_of_two
 from jaxbatch.core.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
-from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
+from jaxbatch.worker.attention.base import AttentionBackend
+from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE
 
 MIN_PREFILL_BUCKET = 16
 MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
-MAX_CHUNKS_PER_CALL = 8     # rows sampled per prefill call: the lm_head runs on this many
 # Block-table backends (pallas, reference): prefill calls attend over at least this many keys
 # (whole pages), for fewer (tokens, pages) executables to compile.
 MIN_PREFILL_CONTEXT = 64
@@ -56,12 +56,12 @@ class ModelCall:
 
 
 class StepLayout:
-    def __init__(self, cfg: SchedulerConfig, work_lists: bool, chunks_per_call: int):
-        """`work_lists`: the xla backend's decode work items and prefill query tiles, instead
-        of block tables and the ragged (cu_q_lens, kv_lens, page_indices, num_seqs) contract."""
+    def __init__(self, cfg: SchedulerConfig, backend: AttentionBackend):
+        """`backend`: the attention backend whose metadata each call carries
+        (`worker/attention/`): it decides the calls' attention arrays and their shape keys."""
         self.cfg = cfg
-        self.work_lists = work_lists
-        self.chunks_per_call = chunks_per_call
+        self.backend = backend
+        self.chunks_per_call = backend.chunks_per_call
 
     # ---- buckets -------------------------------------------------------------------------
     @property
@@ -119,7 +119,8 @@ class StepLayout:
         t, out = MIN_PREFILL_BUCKET, []
         while t <= self.max_prefill_tokens:
             out.append(t)
-            if self.work_lists and t >= 32 and t * 3 // 2 <= self.max_prefill_tokens:
+            if (self.backend.intermediate_prefill_buckets and t >= 32
+                    and t * 3 // 2 <= self.max_prefill_tokens):
                 out.append(t * 3 // 2)
             t *= 2
         return out
@@ -127,19 +128,11 @@ class StepLayout:
     def bucket_shapes(self) -> list[tuple]:
         """Every model-call shape the scheduler can produce with these settings, whatever the
         requests ask for (penalties and logprobs are runtime branches, not shapes)."""
-        page_buckets = [1 << i for i in range(self.max_page_bucket.bit_length())]
         shapes = []
         for rows in self.decode_row_buckets():
-            if self.work_lists:
-                shapes.append(("decode", rows, self.decode_item_capacity(rows)))
-            else:
-                shapes += [("decode", rows, p) for p in page_buckets]
+            shapes += [("decode", rows, size) for size in self.backend.decode_sizes(self, rows)]
         for t in self.prefill_token_buckets():
-            if self.work_lists:
-                shapes.append(("prefill", t, self.max_page_bucket))
-            else:
-                shapes += [("prefill", t, p) for p in page_buckets
-                           if p == self.prefill_page_bucket(t, p)]
+            shapes += [("prefill", t, p) for p in self.backend.prefill_sizes(self, t)]
         return shapes
 
     def executable_keys(self) -> list[tuple]:
@@ -182,17 +175,7 @@ class StepLayout:
             slot_mapping[i] = table[position // bs] * bs + position % bs
             lengths[i] = position + 1
             rows[i] = row
-        if self.work_lists:
-            items = self.decode_item_capacity(b)
-            meta = decode_work_items([(i, e[4], e[3] + 1) for i, e in enumerate(entries)],
-                                     b, bs, items) + (lengths,)
-            size = items
-        else:
-            size = self.page_bucket(max(len(e[4]) for e in entries))
-            tables = np.zeros((b, size), np.int32)
-            for i, e in enumerate(entries):
-                tables[i] = pad_block_table(e[4], size)
-            meta = (tables, lengths)
+        meta, size = self.backend.decode_metadata(self, entries, b, lengths)
         return ModelCall(("decode", b, size), (tokens, token_src, positions, slot_mapping, meta),
                          rows, decode_rows=[(e[0], e[1]) for e in entries],
                          token_slots=token_slots, verify=verify_inputs(plan.decodes, b))
@@ -200,7 +183,7 @@ class StepLayout:
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         """Greedy, in plan order: chunks join a call while its padded tokens fit."""
-        align = PREFILL_TILE if self.work_lists else 1
+        align = self.backend.prefill_align
         calls, current, used = [], [], 0
         for chunk in chunks:
             size = -(-len(chunk.token_ids) // align) * align
@@ -216,17 +199,13 @@ class StepLayout:
                      next_tokens: dict[int, int]) -> ModelCall:
         """`next_tokens[seq_id]`: the token after a chunk (for prompt logprobs), -1 if none."""
         bs = self.cfg.block_size
-        align = PREFILL_TILE if self.work_lists else 1
+        align = self.backend.prefill_align
         q_starts, used = [], 0
         for chunk in chunks:
             q_starts.append(used)
             used += -(-len(chunk.token_ids) // align) * align
         t = self.prefill_bucket(used)
-        if self.work_lists:
-            pages = self.max_page_bucket
-        else:
-            max_pages = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
-            pages = self.prefill_page_bucket(t, max_pages)
+        pages = self.backend.prefill_pages(self, t, chunks)
         s = self.chunks_per_call
 
         tokens = np.zeros(t, np.int32)
@@ -252,21 +231,7 @@ class StepLayout:
             if chunk.sample:
                 rows[i] = plan.sampling[chunk.seq_id]
                 token_slots[i] = chunk.slot
-        if self.work_lists:
-            # Every tile of a chunk carries its sequence's block table.
-            tile_pages = np.zeros((t // PREFILL_TILE, pages), np.int32)     # [T / tile, P]
-            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
-                last = q0 + len(chunk.token_ids) - 1
-                tile_pages[q0 // PREFILL_TILE:last // PREFILL_TILE + 1] = tables[i]
-            meta = (query_pos, tile_pages)
-        else:
-            # The ragged contract: chunks packed back to back (align = 1 here).
-            kv_lens = np.zeros(s, np.int32)
-            cu_q_lens = np.zeros(s + 1, np.int32)
-            for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
-                kv_lens[i] = chunk.start + len(chunk.token_ids)
-                cu_q_lens[i + 1:] = q0 + len(chunk.token_ids)
-            meta = (kv_lens, tables, cu_q_lens, np.array([len(chunks)], np.int32))
+        meta = self.backend.prefill_metadata(chunks, q_starts, tables, query_pos, t, pages)
         return ModelCall(("prefill", t, pages), (tokens, positions, slot_mapping, meta, sample_index),
                          rows, chunks=list(chunks), q_starts=q_starts, targets=targets,
                          want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks),
@@ -279,20 +244,12 @@ class StepLayout:
         if kind == "decode":
             rows, size = a, b                          # size: work items (xla) or pages
             zeros, nowhere = np.zeros(rows, np.int32), np.full(rows, self.cfg.max_num_seqs, np.int32)
-            if self.work_lists:
-                meta = (np.full(size, rows, np.int32),                  # every item is padding
-                        np.zeros((size, PAGES_PER_ITEM), np.int32), np.zeros(size, np.int32), zeros)
-            else:
-                meta = (np.zeros((rows, size), np.int32), zeros)
+            meta = self.backend.placeholder_decode_metadata(rows, size)
             return ModelCall((kind, rows, size), (zeros, zeros - 1, zeros, zeros, meta),
                              [None] * rows, token_slots=nowhere)
         tokens, pages = a, b
         s, zeros = self.chunks_per_call, np.zeros(tokens, np.int32)
-        if self.work_lists:
-            meta = (np.full(tokens, -1, np.int32), np.zeros((tokens // PREFILL_TILE, pages), np.int32))
-        else:
-            meta = (np.zeros(s, np.int32), np.zeros((s, pages), np.int32),
-                    np.zeros(s + 1, np.int32), np.zeros(1, np.int32))
+        meta = self.backend.placeholder_prefill_metadata(tokens, pages, s)
         return ModelCall((kind, tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
                          [None] * s, targets=np.full(tokens, -1, np.int32),
                          token_slots=np.full(s, self.cfg.max_num_seqs, np.int32))

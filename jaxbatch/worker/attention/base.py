@@ -1,0 +1,75 @@
+"""What an attention backend is to the rest of the worker.
+
+A backend is two halves that must agree: on the host, a metadata builder that lays a call's
+sequences out as the arrays its kernels read (`decode_metadata`, `prefill_metadata`, their
+placeholders for warm-up, and the shape keys they produce); on the device, the `attend`
+functions the model calls with those arrays (`decode_attend`, `prefill_attend`: each returns
+`attend(q, k_pages, v_pages, block_offset, scales=None) -> out` for
+`model.llama.forward_hidden`). `step_inputs.StepLayout` and the runner only ever talk to this
+interface; each backend is one file (`work_lists.py`: xla; `block_tables.py`: reference and
+the Pallas kernels).
+
+Block ids in the metadata are layer 0's; `block_offset` (layer l's first row of the folded
+pool) is added to them inside the layer loop. `scales` is None for a float pool and
+(k_scales, v_scales) for an int8 one (`pallas_kernels/int8.py`); every backend dequantizes
+inside its attention.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class AttentionBackend:
+    name: str
+    # Prefill chunks start on multiples of this many rows of a packed call.
+    prefill_align: int = 1
+    # Chunks (rows sampled) per prefill call.
+    chunks_per_call: int = 8
+    # Token buckets at 1.5x steps between the powers of two (cheap where context is no shape).
+    intermediate_prefill_buckets: bool = False
+    # Whether `jax.export` can store its lowered steps (Pallas kernels are custom calls it
+    # refuses).
+    exportable: bool = True
+
+    # ---- host: shapes --------------------------------------------------------------------
+    def decode_sizes(self, layout, rows: int) -> list[int]:
+        """The second key element of every decode call of `rows` rows."""
+        raise NotImplementedError
+
+    def prefill_sizes(self, layout, tokens: int) -> list[int]:
+        """The page counts of every prefill call of `tokens` tokens."""
+        raise NotImplementedError
+
+    def prefill_pages(self, layout, tokens: int, chunks) -> int:
+        raise NotImplementedError
+
+    # ---- host: metadata ------------------------------------------------------------------
+    def decode_metadata(self, layout, entries, rows: int, lengths: np.ndarray) -> tuple:
+        """`entries`: (seq_id, j, token, position, block table, sampling row) per row in use;
+        returns (meta arrays, size key)."""
+        raise NotImplementedError
+
+    def prefill_metadata(self, chunks, q_starts, tables: np.ndarray, query_pos: np.ndarray,
+                         tokens: int, pages: int) -> tuple:
+        raise NotImplementedError
+
+    def placeholder_decode_metadata(self, rows: int, size: int) -> tuple:
+        """Metadata of a call that touches nothing (warm-up)."""
+        raise NotImplementedError
+
+    def placeholder_prefill_metadata(self, tokens: int, pages: int, chunks: int) -> tuple:
+        raise NotImplementedError
+
+    # ---- device --------------------------------------------------------------------------
+    def decode_attend(self, meta, scale: float):
+        raise NotImplementedError
+
+    def prefill_attend(self, meta, scale: float):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def scale_kwargs(scales) -> dict:
+    return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
