@@ -35,7 +35,7 @@ def main(argv=None):
     runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
                  compilation_cache=False).llm_engine.runner
     keys = [(k.split(",")[0],) + tuple(int(x) for x in k.split(",")[1:]) for k in args.keys]
-    exes = {k: runner._lower(k, runner._example_args(k)).compile() for k in keys}
+    exes = {k: runner.executables.lower(k, runner.example_args(k)).compile() for k in keys}
 
     def run_once(key):
         if key[0] == "sample":

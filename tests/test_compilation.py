@@ -105,12 +105,12 @@ def test_compiled_model_calls_update_the_pool_in_place(tiny, backend, stored, tm
         from jaxbatch.worker.runner import ModelRunner
         runner = ModelRunner(runner.model_cfg, tiny.params, runner.cfg, runner.pool[0].dtype,
                              backend, lowered_dir=str(tmp_path))
-        assert runner._store is not None
+        assert runner.executables.store is not None
     pool_shape = "f32[" + ",".join(str(d) for d in runner.pool[0].shape) + "]"
     num_param_leaves = len(__import__("jax").tree.leaves(runner.params))
     keys = [k for k in runner.layout.bucket_shapes()]
     for key in (keys[0], keys[-1]):                          # a decode and a prefill call
-        text = runner._lower(key, runner._example_args(key)).compile().as_text()
+        text = runner.executables.lower(key, runner.example_args(key)).compile().as_text()
         assert sorted(_pool_aliases(text)) == [num_param_leaves, num_param_leaves + 1], key
         copies = [line for line in text.splitlines()
                   if re.search(r"= " + re.escape(pool_shape) + r"\{[^}]*\} copy\(", line)]
@@ -135,7 +135,7 @@ def test_second_warmup_reads_every_executable_from_the_persistent_cache(tiny, tm
     outputs = []
     for attempt in range(3):
         engine = LLMEngine(loaded=tiny, warmup=False, compilation_cache=attempt < 2, **settings)
-        assert (engine.runner._store is None) == (attempt == 2)
+        assert (engine.runner.executables.store is None) == (attempt == 2)
         before = len(events)
         engine.warmup()
         if attempt == 1:
@@ -204,9 +204,9 @@ def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog
 
     def refuse(*args, **kwargs):
         raise ValueError("cannot export this")
-    runner._store.lower = refuse
+    runner.executables.store.lower = refuse
     with caplog.at_level(logging.WARNING, logger="jaxbatch.worker.runner"):
         runner.warmup()
-    assert runner._store is None and runner.warmup_report["from_store"] == 0
+    assert runner.executables.store is None and runner.warmup_report["from_store"] == 0
     assert runner.num_compilations == len(runner.bucket_shapes())
     assert any("jax.export failed" in r.message for r in caplog.records)

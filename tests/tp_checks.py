@@ -184,7 +184,7 @@ def check_pallas_kernels_per_shard():
 
 def _hlo_of(eng: LLMEngine, key) -> str:
     r = eng.runner
-    return r._lower(key, r._example_args(key)).compile().as_text()
+    return r.executables.lower(key, r.example_args(key)).compile().as_text()
 
 
 def check_hlo_collectives_and_donation():

@@ -11,18 +11,14 @@ Each engine step dispatches, without reading anything back in between:
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
   verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
                     of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
-Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front, in
-parallel (or loads them from JAX's persistent compilation cache: `compile_cache.py`, tracing
-nothing when the lowered functions are stored too: `lowered_store.py`); a compilation after
-warm-up is logged and counted as a bug (`compilations_after_warmup`).
+Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front
+(`compilation.py`, which the runner feeds with its functions, keys and example arguments); a
+compilation after warm-up is logged and counted as a bug (`compilations_after_warmup`).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import gc
 import logging
-import os
 import time
 
 import jax
@@ -30,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
+from jaxbatch.worker.compilation import Executables
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
@@ -109,7 +106,7 @@ class ModelRunner:
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         common = dict(cfg=model_cfg, backend=self.attention, inv_freq=self._inv_freq,
                       per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
-        self._functions = {  # kind -> (function, index of the donated pool argument or None,
+        functions = {  # kind -> (function, index of the donated pool argument or None,
             #                           number of outputs: the pool, when donated, is the last)
             "decode": (functools.partial(_decode_forward, **common), 1, 2),
             "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
@@ -119,26 +116,24 @@ class ModelRunner:
         }
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
-        self._store = None
+        store = None
         if lowered_dir is not None and self.tp is None and self.attention.exportable:
-            self._store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
+            store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
                 model_cfg, sched_cfg, jnp.dtype(dtype).name, self.backend, kv_cache_dtype,
                 chunks_per_call))
-        self._executables: dict[tuple, object] = {}
+        self.executables = Executables(functions, store, self.tp)
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
         self.kept_probs: dict[tuple[int, int], np.ndarray] | None = None
         self._unused_history: dict[int, jax.Array] = {}
-        self.compile_seconds = 0.0
-        # Set by `warmup`: from then on a compilation means a shape the buckets missed.
-        self.warmed_up = False
         self.pool_owner = None     # the engine whose block manager last wrote the pool
-        self.warmup_report: dict = {}
-        self.compilations_after_warmup: list[tuple] = []
 
-    @property
-    def num_compilations(self) -> int:
-        return len(self._executables)
+    # What the compiled set reports, for stats().
+    num_compilations = property(lambda self: len(self.executables))
+    compile_seconds = property(lambda self: self.executables.compile_seconds)
+    warmed_up = property(lambda self: self.executables.warmed_up)
+    warmup_report = property(lambda self: self.executables.warmup_report)
+    compilations_after_warmup = property(lambda self: self.executables.compilations_after_warmup)
 
     def bucket_shapes(self) -> list[tuple]:
         """Every key the scheduler can make this runner execute."""
@@ -159,43 +154,17 @@ class ModelRunner:
         """For a draft model sampling its proposals: every "sample" executable also returns the
         distributions, and `execute` keeps those of rows with temperature > 0 in `kept_probs`.
         It replaces the sample function, so it must come before anything is compiled."""
-        if self._executables:
+        if len(self.executables):
             raise RuntimeError("keep_sampling_probs() after compiling: the sample executables "
                                "would not return the probabilities")
-        self._functions["sample"] = (functools.partial(_sample_and_keep, sampler.sample_with_probs),
+        self.executables.functions["sample"] = (functools.partial(_sample_and_keep, sampler.sample_with_probs),
                                      None, None)
         self.kept_probs = {}
 
     # ---- executables ---------------------------------------------------------------------
-    def _lower(self, key: tuple, args):
-        fn, donate, num_outputs = self._functions[key[0]]
-        donate_argnums = () if donate is None else (donate,)
-        if self._store is not None:
-            # The function variant is part of the stored key: a sampled draft's "sample" is
-            # sample_with_probs, with other outputs under the same kind.
-            variant = tuple(getattr(a, "__name__", "") for a in getattr(fn, "args", ()))
-            try:
-                return self._store.lower(key + variant, fn, donate_argnums, args)
-            except Exception:               # noqa: BLE001 - what export refuses, jit may not
-                logger.warning("lowering %s from jax.export failed; storing no lowered steps",
-                               key, exc_info=True)
-                self._store = None
-        shardings = {} if self.tp is None else self.tp.jit_shardings(args, donate, num_outputs)
-        return jax.jit(fn, donate_argnums=donate_argnums, **shardings).lower(*args)
-
     def _run(self, key: tuple, args):
-        exe = self._executables.get(key)
-        if exe is None:
-            if self.warmed_up:
-                self.compilations_after_warmup.append(key)
-                logger.warning("compiling %s after warm-up: a shape the buckets missed (a bug)", key)
-            start = time.perf_counter()
-            exe = self._lower(key, args).compile()
-            self.compile_seconds += time.perf_counter() - start
-            self._executables[key] = exe
-        if self.tp is not None:
-            args = self.tp.to_mesh(args)
-        return exe(*args)
+        """Every executable the runner runs goes through here."""
+        return self.executables.run(key, args)
 
     def _sampling_arrays(self, rows: list[SamplingRow | None]):
         """Penalty history always has max_model_len columns (one executable for every request);
@@ -205,7 +174,7 @@ class ModelRunner:
             self._unused_history[n] = jnp.full((n, self.cfg.max_model_len), -1, jnp.int32)
         return sampler.build_sampling_arrays(rows, self.cfg.max_model_len, self._unused_history[n])
 
-    def _example_args(self, key: tuple):
+    def example_args(self, key: tuple):
         """Arguments of the right shapes for `key`, for lowering at warm-up."""
         kind = key[0]
         if kind in ("decode", "prefill"):
@@ -305,52 +274,8 @@ class ModelRunner:
 
     # ---- warm-up -------------------------------------------------------------------------
     def warmup(self, max_workers: int | None = None) -> float:
-        """Makes every key executable without running any: lowered one by one on this thread
-        (tracing holds the GIL; a stored lowering is read instead), each compiled on a thread
-        per core as soon as it is lowered (XLA compiles with the GIL released; with the
-        persistent cache on, a compile is a cache read).
-
-        `warmup_report`: lower_s is this thread's time lowering, compile_s the rest of the
-        wall time (compiles not hidden behind lowering), cpu_s the process CPU seconds of the
-        whole warm-up, from_store the keys whose lowering was read back, not traced.
-
-        Python's cyclic garbage collector is paused meanwhile: tracing allocates hundreds of
-        thousands of objects, which made it run (and walk every live object) about 260 times
-        for 30 keys, 0.9 s of a cold warm-up's 35 CPU seconds; what it would have freed waits
-        until after."""
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._warmup(max_workers)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-
-    def _warmup(self, max_workers: int | None) -> float:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        store = self._store
-        hits_before = store.hits if store is not None else 0
-        missing = [key for key in self.bucket_shapes() if key not in self._executables]
-        workers = max_workers or _compile_threads()
-        lower_s = 0.0
-        with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-            pending = []
-            for key in missing:
-                t = time.perf_counter()
-                lowered = self._lower(key, self._example_args(key))
-                lower_s += time.perf_counter() - t
-                pending.append(threads.submit(lowered.compile))
-            compiled = [f.result() for f in pending]
-        self._executables.update(zip(missing, compiled))
-        elapsed = time.perf_counter() - start
-        self.compile_seconds += elapsed
-        self.warmup_report = {
-            "executables": len(self.bucket_shapes()), "compiled": len(missing),
-            "from_store": store.hits - hits_before if store is not None else 0,
-            "lower_s": lower_s, "compile_s": elapsed - lower_s,
-            "cpu_s": time.process_time() - cpu_start, "threads": workers}
-        self.warmed_up = True
-        return elapsed
+        """Compiles every key the scheduler can produce (`compilation.Executables.warmup`)."""
+        return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers)
 
 
 class DispatchedStep:
@@ -363,16 +288,6 @@ class DispatchedStep:
 
 def _has_int8(params) -> bool:
     return any(is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
-
-
-def _compile_threads() -> int:
-    """A thread per core we may use (affinity, not the host's count), at most 8 (each compile
-    holds its own memory). One on a GPU: XLA times candidate kernels while compiling, and
-    concurrent compiles would skew what it picks."""
-    if jax.default_backend() != "cpu":
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, cores or 1))
 
 
 def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:
