@@ -45,8 +45,8 @@ class ModelOptions:
     model: str | None = option(
         None, "HF directory or .gguf file; omitted: the embedded SmolLM2-135M-Instruct",
         positional=True)
-    dtype: str = option("auto", "weights and activations dtype; auto: the checkpoint's float "
-                        "type as the engine supports it (see stats()['dtype'])", DTYPES)
+    dtype: str = option("auto", "weights and activations dtype; auto: float32 on CPU, the "
+                        "checkpoint's bfloat16/float16 on an accelerator", DTYPES)
     quantization: str | None = option(
         None, "int8: weight-only int8 layer matrices, one scale per output channel",
         QUANTIZATIONS)
@@ -203,3 +203,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine flags as LLM(...) keyword arguments."""
     return {name: getattr(args, name) for name in OPTIONS}
+
+
+def options_markdown() -> str:
+    """The README's option table (tests/engine/test_config.py keeps the README equal to it):
+    `python -c "from jaxbatch.engine.config import options_markdown; print(options_markdown())"`."""
+    rows = ["| option | `jaxbatch serve` | default | what |", "|---|---|---|---|"]
+    for name, field in OPTIONS.items():
+        flag = "MODEL (positional)" if field.metadata["positional"] else f"`{flag_name(name)}`"
+        rows.append(f"| `{name}` | {flag} | `{field.default!r}` | {field.metadata['help']} |")
+    return "\n".join(rows)

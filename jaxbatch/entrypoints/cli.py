@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from jaxbatch.engine.config import add_engine_flags, engine_kwargs_from_args
+from jaxbatch.engine.config import EngineConfig, add_engine_flags, engine_kwargs_from_args
 
 # The embedded model's name (jaxbatch.model.loader.DEFAULT_MODEL; not imported: that pulls JAX).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,6 +45,7 @@ def serve(args) -> int:
     from jaxbatch.entrypoints.openai.app import build_app
 
     kwargs = engine_kwargs_from_args(args)
+    EngineConfig.from_kwargs(**kwargs)     # refuse bad options now, not on the engine thread
     model = kwargs.pop("model")
     if args.num_processes > 1:
         # Here, on the main thread, before uvicorn installs its signal handlers (multihost.py).
@@ -128,7 +129,11 @@ class DrainingServer(uvicorn.Server):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        try:
+            return serve(args)
+        except ValueError as e:         # a bad option: said in one line, exit 2 like argparse
+            print(f"jaxbatch serve: error: {e}", file=sys.stderr)
+            return 2
     return 2
 
 
