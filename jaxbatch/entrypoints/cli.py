@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--coordinator-address", default=None,
                    help="HOST:PORT of process 0's jax.distributed coordinator")
     s.add_argument("--log-level", default="info")
+    # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
+    sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
     return ap
 
 
@@ -195,6 +197,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:   # --- bench: each benchmark parses its own flags
+        from jaxbatch.benchmarks.registry import main as bench
+        return bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -133,6 +133,7 @@ class ModelRunner:
         # Set by `warmup`: from then on a compilation means a shape the buckets missed.
         self.warmed_up = False
         self.pool_owner = None     # the engine whose block manager last wrote the pool
+        self.executable_observers: list = []   # --- benchmarks hook, see _run
         self.warmup_report: dict = {}
         self.compilations_after_warmup: list[tuple] = []
 
@@ -195,6 +196,14 @@ class ModelRunner:
             self._executables[key] = exe
         if self.tp is not None:
             args = self.tp.to_mesh(args)
+        # --- benchmarks hook (jaxbatch/benchmarks/observer.py): with an observer attached each
+        # executable is waited for, so its wall time is its device time (profiling only).
+        if self.executable_observers:
+            start = time.perf_counter()
+            out = jax.block_until_ready(exe(*args))
+            for observer in self.executable_observers:
+                observer.on_executable(key, time.perf_counter() - start)
+            return out
         return exe(*args)
 
     def _sampling_arrays(self, rows: list[SamplingRow | None]):

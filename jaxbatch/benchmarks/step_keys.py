@@ -1,6 +1,6 @@
 """Step time of chosen executable keys on the embedded model, for pricing a bucket change.
 
-    python scripts/bench_step_keys.py "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
+    jaxbatch bench step-keys "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
 
 Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
 or not the bucket rules list it, and run on warm-up's placeholder inputs (every input padding:
@@ -16,15 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench step-keys",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("keys", nargs="+", help="kind,a[,b], e.g. decode,32,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-num-seqs", type=int, default=32)
