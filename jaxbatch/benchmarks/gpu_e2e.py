@@ -30,7 +30,7 @@ Exit status: 0 all requested models ran and passed; 1 a check failed, a model ra
 timed run compiled; 3 a model was skipped because `--budget-s` was spent (incomplete).
 GPU_CHECK_SIMULATE_FAILURE=e2e corrupts one token of the checked output, to prove the check
 fails (scripts/gpu_check.sh --dry-run uses it). Helpers here (shapes, random params, copy
-bandwidth) are shared with `scripts/bench.py --device gpu` and the lowering tests.
+bandwidth) are shared with `jaxbatch bench throughput --device gpu` and the lowering tests.
 """
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def run_model(name, args, backend):
         result["speed_int8"] = {"skipped": "time budget spent"}
     elif name in args.int8_models:
         # After the check (which decides pass/fail): the same run with an int8 KV cache and
-        # int8 weights, timing only (accuracy is scripts/accuracy.py's job); same prompts, so
+        # int8 weights, timing only (accuracy is `jaxbatch bench accuracy`'s job); same prompts, so
         # the speeds compare directly.
         result["speed_int8"] = speed_run(loaded, args.slots, args.prompt_len, args.new_tokens,
                                          backend, args.seed, kv_cache_dtype="int8",
