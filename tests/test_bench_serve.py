@@ -270,6 +270,8 @@ def test_main_writes_report(fake, tmp_path):
     assert len(saved["runs"]) == 2 and len(saved["workload"]) == 4
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("| fake |") == 2 and "goodput" in md
+    assert "$ / M out tok" in md and "Cost per million output tokens" in md
+    assert saved["price"]["usd_per_hour"] > 0 and saved["price"]["source"]
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "bench_serve.png").stat().st_size > 0
 

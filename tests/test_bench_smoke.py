@@ -5,6 +5,7 @@ gpu_e2e run."""
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import pytest
@@ -114,7 +115,7 @@ def test_offline_and_online_on_tiny_model(tiny):
 def test_step_observers_see_every_step(tiny):
     """The engine's and the runner's hooks (jaxbatch/benchmarks/observer.py): one on_step per
     step with its plan, one on_executable per executable run, gone again after `observe`."""
-    from jaxbatch.benchmarks.observer import ExecutableTimer, KvReadMeter, observe
+    from jaxbatch.benchmarks.observer import ExecutableTimer, HostDelay, KvReadMeter, observe
     engine = bench.jaxbatch_engine(tiny, "continuous", 4, 64)
     requests = [bench.Request(f"r{i}", list(range(10 + i, 17 + 2 * i)), 3 + i) for i in range(3)]
     first = len(engine.step_log)
@@ -132,6 +133,12 @@ def test_step_observers_see_every_step(tiny):
     assert timer.prefill_tokens["prompt"] == sum(len(r.prompt_ids) for r in requests)
     assert timer.prefill_tokens["computed"] >= timer.prefill_tokens["prompt"]
     assert engine.step_observers == [] and engine.runner.executable_observers == []
+    # HostDelay (bench overlap): the delay is spent once per step.
+    with observe(engine, HostDelay(30.0)), observe(engine, KvReadMeter()) as meter:
+        start = time.perf_counter()
+        bench.run_jaxbatch(engine, requests[:1], "delayed", progress=False)
+        wall = time.perf_counter() - start
+    assert len(meter.per_step) >= 3 and wall >= 0.03 * len(meter.per_step)
     with pytest.raises(TypeError):
         with observe(engine, object()):
             pass
@@ -139,11 +146,16 @@ def test_step_observers_see_every_step(tiny):
 
 def test_bench_gpu_dry_run(tmp_path):
     report = bench.main(["--device", "gpu", "--dry-run", "--num-requests", "6",
-                         "--out", str(tmp_path), "--xla-cache", ""])
+                         "--out", str(tmp_path), "--xla-cache", "", "--price-per-hour", "3.6"])
     tiny = report["gpu"]["models"]["tiny"]
     for s in tiny["summaries"].values():
         assert s["compilations_during_timed_run"] == 0
         assert s["mbu_median"] > 0 and s["decode_steps"] > 0
+    # Every throughput table states the cost per million output tokens at the given price.
+    assert report["price"] == {"usd_per_hour": 3.6, "source": "--price-per-hour"}
+    md = bench.markdown(report)
+    cost = 3.6 / (tiny["summaries"]["continuous"]["output_tokens_per_s"] * 3600) * 1e6
+    assert "$ / M out tok" in md and f"${cost:.3f}" in md and "$3.6000 per hour" in md
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["gpu"]["models"]["tiny"]["weight_bytes_read_per_step"] > 0
 

@@ -31,22 +31,22 @@ def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_b
 def bench_gpu(args, entries) -> dict:
     """Random-weight Llama shapes (bf16), token-id prompts, continuous vs static, MBU."""
     import jax
-    from jaxbatch.benchmarks import gpu_e2e
+    from jaxbatch.benchmarks import random_models
     from jaxbatch.worker.kv_cache import bytes_per_block
     from jaxbatch.model.quantize import quantize_params
     models = args.gpu_models or (["tiny"] if args.dry_run else ["1B", "8B"])
     copy_bytes = (8 << 20) if args.dry_run else (1 << 30)
-    copy_bps = gpu_e2e.copy_bandwidth(copy_bytes)
+    copy_bps = random_models.copy_bandwidth(copy_bytes)
     out = {"copy_GBps": copy_bps / 1e9, "device": str(jax.devices()[0].device_kind), "models": {}}
     for name in models:
-        loaded = gpu_e2e.random_model(name, "bfloat16", args.seed)
+        loaded = random_models.random_model(name, "bfloat16", args.seed)
         if args.quantization:               # quantized here so the MBU counts int8 bytes
             loaded.params = quantize_params(loaded.params)
         cfg = loaded.config
         prompts = synthetic_prompt_ids(entries, cfg.vocab_size, args.seed)
         requests = offline_requests(prompts, [e["kind"] for e in entries], args.num_requests,
                                     args.lengths, args.seed, args.max_prompt_len)
-        weight_bytes = gpu_e2e.param_bytes(loaded.params)
+        weight_bytes = random_models.param_bytes(loaded.params)
         if not cfg.tie_word_embeddings:     # an untied embedding table is only gathered
             weight_bytes -= loaded.params["embed"].nbytes
         kv_token_bytes = bytes_per_block(cfg, 1, loaded.params["embed"].dtype, args.kv_cache_dtype)
