@@ -270,8 +270,12 @@ def test_main_writes_report(fake, tmp_path):
     assert len(saved["runs"]) == 2 and len(saved["workload"]) == 4
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("| fake |") == 2 and "goodput" in md
-    assert "$ / M out tok" in md and "Cost per million output tokens" in md
-    assert saved["price"]["usd_per_hour"] > 0 and saved["price"]["source"]
+    price = saved["price"]
+    assert price["usd_per_hour"] > 0 and price["source"] in md
+    assert "| $ / M out tok |" in md
+    for run in report["runs"]:      # each row's cost cell, from its own throughput
+        tok_s = run["summary"]["output_tokens_per_s"]
+        assert f"| ${price['usd_per_hour'] / (tok_s * 3600) * 1e6:.3f} |" in md
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "bench_serve.png").stat().st_size > 0
 
