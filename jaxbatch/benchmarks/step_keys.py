@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     import jax
+    import numpy as np
     from jaxbatch import LLM
     runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
                  compilation_cache=False).llm_engine.runner
@@ -37,9 +38,14 @@ def main(argv=None):
 
     def run_once(key):
         if key[0] == "sample":
+            # The sampler's arguments as the runner passes them (logits, sampling arrays, the
+            # kept tokens it updates, the rows' token slots); its last output is the new kept.
             n = key[1]
             logits = jax.numpy.zeros((n, runner.model_cfg.vocab_size))
-            return jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n)))
+            out = jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n),
+                                                  runner.kept_tokens, np.zeros(n, np.int32)))
+            runner.kept_tokens = out[-1]
+            return out
         out = exes[key](*runner._model_args(key, runner.layout.placeholder_call(*key).args))
         jax.block_until_ready(out)
         runner.pool = out[-1]
