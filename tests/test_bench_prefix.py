@@ -1,29 +1,17 @@
-"""Smoke test of scripts/bench_prefix.py on the embedded model with tiny settings: every
+"""Smoke test of `jaxbatch bench prefix` (jaxbatch/benchmarks/prefix.py) on the embedded model with tiny settings: every
 workload runs with the cache on and off, the shared system prompt and the resent histories hit,
 distinct prompts do not, and the greedy outputs of multi-turn conversations are equal."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from jaxbatch.benchmarks import prefix as bench_prefix
+from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS
 
 
 def test_bench_prefix_tiny_run(embedded):
-    bench_prefix = _load("bench_prefix")
     args = argparse.Namespace(
-        prompts=str(REPO / "scripts" / "bench_prompts.json"), slots=4, max_model_len=1024,
+        prompts=str(DEFAULT_PROMPTS), slots=4, max_model_len=1024,
         chunk=256, repeats=1, prefix_requests=3, prefix_rate=100.0, conversations=2, turns=2,
         output_len=3, seed=0, warmup=False, distinct_requests=4)
     report = bench_prefix.bench_prefix(embedded, args)

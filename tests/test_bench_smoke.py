@@ -1,27 +1,19 @@
 """Smoke test of the benchmark suite on a tiny random model (no HF engines, no embedded model):
 the metrics are computed and sane, continuous batching beats static on the mixed workload, no
-compilation happens after warm-up, and the --dry-run paths of bench.py and gpu_e2e run."""
+compilation happens after warm-up, and the --dry-run paths of `jaxbatch bench throughput` and
+gpu_e2e run."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
+import types
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from jaxbatch.benchmarks import harness, throughput, workloads
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module          # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+# One namespace for the names these tests used from the former scripts/bench.py.
+bench = types.SimpleNamespace(**{k: getattr(m, k) for m in (workloads, harness, throughput)
+                                 for k in dir(m) if not k.startswith("_")})
 
 
 def test_ideal_ratio_by_hand():
@@ -119,13 +111,51 @@ def test_offline_and_online_on_tiny_model(tiny):
     assert "continuous / static output tok/s" in rows
 
 
+def test_step_observers_see_every_step(tiny, monkeypatch):
+    """The engine's and the runner's hooks (jaxbatch/benchmarks/observer.py): one on_step per
+    step with its plan, one on_executable per executable run, gone again after `observe`."""
+    from jaxbatch.benchmarks.observer import ExecutableTimer, HostDelay, KvReadMeter, observe
+    engine = bench.jaxbatch_engine(tiny, "continuous", 4, 64)
+    requests = [bench.Request(f"r{i}", list(range(10 + i, 17 + 2 * i)), 3 + i) for i in range(3)]
+    first = len(engine.step_log)
+    with observe(engine, KvReadMeter()) as meter, observe(engine, ExecutableTimer()) as timer:
+        bench.run_jaxbatch(engine, requests, "observed", progress=False)
+    steps = engine.step_log[first:]
+    assert len(meter.per_step) == len(steps) > 0
+    assert [decode_only for _, decode_only in meter.per_step] == \
+        [tokens == seqs for _, seqs, _, tokens in steps]
+    # The last step decodes the longest request alone: its context is prompt + output - 1.
+    assert meter.per_step[-1] == (len(requests[-1].prompt_ids) + requests[-1].output_len - 1, True)
+    kinds = timer.by_kind()
+    assert {"prefill", "decode", "sample"} <= set(kinds) and all(s > 0 for _, s in kinds.values())
+    assert kinds["decode"][0] == sum(kv > 0 for kv, _ in meter.per_step)   # steps with decodes
+    assert timer.prefill_tokens["prompt"] == sum(len(r.prompt_ids) for r in requests)
+    assert timer.prefill_tokens["computed"] >= timer.prefill_tokens["prompt"]
+    assert engine.step_observers == [] and engine.runner.executable_observers == []
+    # HostDelay (bench overlap): its sleep, once per step (recorded, not slept).
+    from jaxbatch.benchmarks import observer
+    slept = []
+    monkeypatch.setattr(observer.time, "sleep", slept.append)
+    with observe(engine, HostDelay(30.0)), observe(engine, KvReadMeter()) as meter:
+        bench.run_jaxbatch(engine, requests[:1], "delayed", progress=False)
+    assert len(meter.per_step) >= 3 and slept == [0.03] * len(meter.per_step)
+    with pytest.raises(TypeError):
+        with observe(engine, object()):
+            pass
+
+
 def test_bench_gpu_dry_run(tmp_path):
     report = bench.main(["--device", "gpu", "--dry-run", "--num-requests", "6",
-                         "--out", str(tmp_path), "--xla-cache", ""])
+                         "--out", str(tmp_path), "--xla-cache", "", "--price-per-hour", "3.6"])
     tiny = report["gpu"]["models"]["tiny"]
     for s in tiny["summaries"].values():
         assert s["compilations_during_timed_run"] == 0
         assert s["mbu_median"] > 0 and s["decode_steps"] > 0
+    # Every throughput table states the cost per million output tokens at the given price.
+    assert report["price"] == {"usd_per_hour": 3.6, "source": "--price-per-hour"}
+    md = bench.markdown(report)
+    cost = 3.6 / (tiny["summaries"]["continuous"]["output_tokens_per_s"] * 3600) * 1e6
+    assert "$ / M out tok" in md and f"${cost:.3f}" in md and "$3.6000 per hour" in md
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["gpu"]["models"]["tiny"]["weight_bytes_read_per_step"] > 0
 
@@ -142,10 +172,7 @@ def test_gpu_e2e_dry_run(tmp_path):
 def test_decode_floor_runs_on_a_tiny_model():
     """decode_floor.py builds the floor from the engine's own params and executables: a change
     to either must not break it silently (it is not run anywhere else in the suite)."""
-    spec = importlib.util.spec_from_file_location("decode_floor", REPO / "scripts" / "decode_floor.py")
-    floor = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor)
-    sys.path.insert(0, str(REPO / "tests"))
+    from jaxbatch.benchmarks import decode_floor as floor
     from tiny_models import make_hf_model, ours_from_hf
     from jaxbatch.model.loader import LoadedModel
     cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2"))

@@ -30,7 +30,7 @@ Exit status: 0 all requested models ran and passed; 1 a check failed, a model ra
 timed run compiled; 3 a model was skipped because `--budget-s` was spent (incomplete).
 GPU_CHECK_SIMULATE_FAILURE=e2e corrupts one token of the checked output, to prove the check
 fails (scripts/gpu_check.sh --dry-run uses it). Helpers here (shapes, random params, copy
-bandwidth) are shared with `scripts/bench.py --device gpu` and the lowering tests.
+bandwidth) are shared with `jaxbatch bench throughput --device gpu` and the lowering tests.
 """
 from __future__ import annotations
 
@@ -38,145 +38,26 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+# The random models moved to random_models.py; these names stay importable from here.
+from jaxbatch.benchmarks.random_models import (  # noqa: F401
+    DTYPES, MODEL_SHAPES, copy_bandwidth, embedding_std, kv_bytes_per_token, logit_std,
+    param_bytes, random_model, random_params)
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 
-# Real shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B; "tiny" is for CPU dry runs and tests.
-MODEL_SHAPES = {
-    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
-                        tie_word_embeddings=True),
-    "small": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                         rope_theta=100000.0, tie_word_embeddings=True,
-                         max_position_embeddings=8192),
-    "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                      num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                      rope_theta=500000.0, tie_word_embeddings=True,
-                      max_position_embeddings=8192),
-    "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                      rope_theta=500000.0, tie_word_embeddings=False,
-                      max_position_embeddings=8192),
-}
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Near-tie rule, relative to the top logit: float32 as the CPU tests (1e-3); bfloat16 2**-7,
 # about one bf16 ulp (the logits come out of a bf16 matmul: at a top logit of ~290, for the
 # 8B shape, neighbouring bf16 values are 2 apart, so an exact tie after rounding is common).
 NEAR_TIE_REL = {"float32": 1e-3, "bfloat16": 2.0 ** -7}
 CHECK_LOGPROBS = 5          # top-k log-probabilities recorded by the reference run
-
-
-# ---- random weights ---------------------------------------------------------------------------
-
-def _layer_init(cfg: ModelConfig, dtype):
-    """key -> one layer's params. Projections ~ N(0, 1/fan_in) keep the residual stream at unit
-    scale through depth, so bf16 neither overflows nor flattens the logits."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-              "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-
-    def init(key):
-        keys = jax.random.split(key, len(shapes))
-        layer = {name: (jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
-                 for k, (name, shape) in zip(keys, shapes.items())}
-        layer["attn_norm"] = jnp.ones((d,), dtype)
-        layer["mlp_norm"] = jnp.ones((d,), dtype)
-        return layer
-    return init
-
-
-def embedding_std(cfg: ModelConfig) -> float:
-    """Standard deviation of the random embeddings.
-
-    Untied: 1. Tied: sqrt(2 L / d). Each of the 2 L residual branches adds about unit RMS to
-    the residual stream, so the final hidden state keeps a share of about
-    sqrt(std^2 / (std^2 + 2 L)) of the input token's own embedding. With tied embeddings that
-    share turns into a head start for the input token's logit of std * sqrt(d) / sqrt(1 + 2 L /
-    std^2) standard deviations: at std = 1 that is ~8 for the 1B shape, so the model would
-    repeat its input token with probability ~1 whatever attention computes, and a greedy
-    comparison of two attention implementations would test nothing. At sqrt(2 L / d) the head
-    start is about one standard deviation."""
-    if not cfg.tie_word_embeddings:
-        return 1.0
-    return math.sqrt(2 * cfg.num_layers / cfg.hidden_size)
-
-
-def logit_std(cfg: ModelConfig) -> float:
-    """Spread of the logits of `random_params`: the unit-RMS final hidden state (norm sqrt(d))
-    against output embeddings of std `embedding_std` (tied) or 1 (the untied lm_head)."""
-    head_std = embedding_std(cfg) if cfg.tie_word_embeddings else 1.0
-    return head_std * math.sqrt(cfg.hidden_size)
-
-
-def random_params(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
-    """Params in `jaxbatch.model.llama`'s stacked layout (`layers` = one dict of [L, ...]
-    arrays, what the engine runs), built on the default device one layer at a time (`lax.map`),
-    so an 8B model never holds more than one layer's float32 temporaries.
-
-    Embeddings ~ N(0, embedding_std^2), an untied lm_head ~ N(0, 1): logits then have a spread
-    of `logit_std` (several units), so greedy choices are rarely near-ties, and they depend on
-    what attention computes (see `embedding_std`): a kernel-vs-reference comparison tests the
-    kernels, not rounding luck."""
-    if cfg.qkv_bias or cfg.o_bias:
-        raise ValueError("random_params builds Llama-shaped models without biases")
-    key = jax.random.key(seed)
-    k_embed, k_head, k_layers = jax.random.split(key, 3)
-    layers = jax.jit(lambda keys: jax.lax.map(_layer_init(cfg, dtype), keys))(
-        jax.random.split(k_layers, cfg.num_layers))
-    normal = jax.jit(lambda k, shape, std: (jax.random.normal(k, shape, jnp.float32)
-                                            * std).astype(dtype), static_argnums=(1, 2))
-    params = {"embed": normal(k_embed, (cfg.vocab_size, cfg.hidden_size), embedding_std(cfg)),
-              "layers": layers, "final_norm": jnp.ones((cfg.hidden_size,), dtype)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = normal(k_head, (cfg.hidden_size, cfg.vocab_size), 1.0)
-    jax.block_until_ready(params)
-    return params
-
-
-def random_model(name: str, dtype: str = "bfloat16", seed: int = 0,
-                 config: ModelConfig | None = None) -> LoadedModel:
-    """A LoadedModel without tokenizer (prompts must be token-id lists); `config` overrides the
-    named shape."""
-    start = time.perf_counter()
-    cfg = config or MODEL_SHAPES[name]
-    params = random_params(cfg, DTYPES[dtype], seed)
-    return LoadedModel(cfg, params, tokenizer=None, source=f"random:{name}:{dtype}",
-                       load_seconds=time.perf_counter() - start, from_cache=False)
-
-
-def param_bytes(params) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(params))
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """K and V of one token across all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-
-def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
-    """Device copy bandwidth in bytes/s: a jitted x + 1 on a bf16 buffer reads and writes
-    nbytes each; median of `reps` device-synchronised calls."""
-    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    bump = jax.jit(lambda a: a + 1)
-    jax.block_until_ready(bump(x))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(bump(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / float(np.median(times))
 
 
 # ---- the greedy comparison ----------------------------------------------------------------------
@@ -344,7 +225,7 @@ def run_model(name, args, backend):
         result["speed_int8"] = {"skipped": "time budget spent"}
     elif name in args.int8_models:
         # After the check (which decides pass/fail): the same run with an int8 KV cache and
-        # int8 weights, timing only (accuracy is scripts/accuracy.py's job); same prompts, so
+        # int8 weights, timing only (accuracy is `jaxbatch bench accuracy`'s job); same prompts, so
         # the speeds compare directly.
         result["speed_int8"] = speed_run(loaded, args.slots, args.prompt_len, args.new_tokens,
                                          backend, args.seed, kv_cache_dtype="int8",

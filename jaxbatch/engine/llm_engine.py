@@ -100,6 +100,8 @@ class LLMEngine(EngineBase):
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
         self.step_log: list[tuple[float, int, int, int]] = []
+        # --- benchmarks hook (jaxbatch/benchmarks/observer.py): called once per step read back
+        self.step_observers: list = []
         self.warmup_seconds = 0.0
         if config.runtime.warmup and (not self.runner.warmed_up or verify_keys_added):
             self.warmup()
@@ -271,7 +273,11 @@ class LLMEngine(EngineBase):
         """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""
         start = time.perf_counter()
         result = self.runner.collect(dispatched)
-        self.device_wait_seconds += time.perf_counter() - start
+        wait = time.perf_counter() - start
+        self.device_wait_seconds += wait
+        # --- benchmarks hook: observers watch steps here instead of patching the engine
+        for observer in self.step_observers:
+            observer.on_step(dispatched.plan, result.timings.get("dispatch_s", 0.0), wait)
         advanced = self.scheduler.update(dispatched.plan, result, self._seqs)
         for seq, stop in self.outputs.stop_strings(advanced):
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)

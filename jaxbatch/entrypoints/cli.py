@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before abort")
     s.add_argument("--log-level", default="info")
+    # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
+    sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
     return ap
 
 
@@ -127,6 +129,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:   # --- bench: each benchmark parses its own flags
+        from jaxbatch.benchmarks.registry import main as bench
+        return bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         try:

@@ -1,6 +1,6 @@
 """Start-up cost of the embedded model: `LLM()` to first token, cold and from the caches.
 
-    python scripts/bench_startup.py [--max-num-seqs 16] [--max-model-len 8192] [--out bench_out]
+    jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--out bench_out]
 
 Each measurement is a fresh Python process (what a user's second start is), in a private cache
 root that holds the converted weights but, depending on the mode, no compiled code:
@@ -25,7 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from jaxbatch.benchmarks.report import table
+
+# The directory holding the jaxbatch package: the children import this very copy of it.
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, os, sys, time
@@ -63,7 +66,7 @@ def run_child(cache_root: str, kwargs: dict) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench startup", description=__doc__.splitlines()[0])
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--skip-serial", action="store_true", help="skip the one-thread cold compile")
@@ -98,23 +101,22 @@ def main(argv=None):
                 shutil.rmtree(Path(tmp) / "lowered", ignore_errors=True)
             print(f"[bench_startup] {mode} ...", flush=True)
             results[mode] = run_child(tmp, {**kwargs, **extra})
-    lines = ["| start | LLM() to first token s | load s | warm-up s | warm-up CPU s | "
-             "executables | from store | lower s | compile s | CPU s per executable | "
-             "load average |", "|---" * 11 + "|"]
+    rows = []
     for mode, r in results.items():
         w = r["warmup"]
         # Per executable: CPU seconds of the warm-up (lowering and compiling, every thread).
         per = r["warmup_cpu_s"] / max(1, w["compiled"])
-        lines.append(f"| {mode} | {r['llm_to_first_token_s']:.1f} | {r['load_s']:.1f} | "
-                     f"{r['warmup_s']:.1f} | {r['warmup_cpu_s']:.1f} | {w['executables']} | "
-                     f"{w.get('from_store', 0)} | "
-                     f"{w['lower_s']:.1f} | {w['compile_s']:.1f} | {per:.2f} | "
-                     f"{r['loadavg'][0]:.1f} |")
-    table = "\n".join(lines)
+        rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
+                     f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
+                     w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
+                     f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
+    md = table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
+                "executables", "from store", "lower s", "compile s", "CPU s per executable",
+                "load average"], rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "startup.json").write_text(json.dumps(
         {"settings": kwargs, "cpu_count": os.cpu_count(), "results": results}, indent=1))
-    print(table)
+    print(md)
     return results
 
 

@@ -2,31 +2,30 @@
 output tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop: each finished
 request is replaced at once) on two workloads:
 
-  repetitive  "correct this paragraph" requests over paragraphs of scripts/data/system_prompt.txt
+  repetitive  "correct this paragraph" requests over paragraphs of benchmarks/data/system_prompt.txt
               with a few typos: the answer mostly copies the prompt, as edits and summaries do
-  default     the bundled prompts (scripts/bench_prompts.json), chat template applied
+  default     the bundled prompts (benchmarks/data/bench_prompts.json), chat template applied
 
 and the decode step time by rows, which sets `max_batch_size` (speculation off above it). Both
 engines share one runner; on/off alternate --repeats times, medians reported; the greedy tokens
 of every request must be equal with speculation on and off (checked, reported).
 
-    python scripts/bench_spec.py [--repeats 2] [--k 3] [--out bench_out]
+    jaxbatch bench spec [--repeats 2] [--k 3] [--out bench_out] [--price-per-hour USD]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from bench import DEFAULT_PROMPTS, lognormal_lengths, load_prompts, stats_ms
-from bench_prefix import SYSTEM_PROMPT, chat_ids, run_on_embedded_model
+from jaxbatch.benchmarks.harness import run_on_embedded_model
+from jaxbatch.benchmarks.machine import add_price_argument
+from jaxbatch.benchmarks.report import cost_cell, price_line, stats_ms, table
+from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, chat_ids,
+                                           lognormal_lengths, load_prompts)
 
 TYPOS = [("the ", "teh "), ("and ", "adn "), ("with ", "wiht "), ("for ", "fro ")]
 
@@ -143,24 +142,27 @@ def bench_spec(loaded, args) -> dict:
 
 
 def markdown(report) -> str:
-    rows = ["| workload @ concurrency | tok/s off | tok/s on | speedup | TPOT off ms | TPOT on ms "
-            "| acceptance | steps off/on | equal |", "|---|---|---|---|---|---|---|---|---|"]
+    price, rows = report.get("price") or {}, []
     for key, e in report.items():
         if "@" not in key:
             continue
         acc = e["on"]["acceptance"]
-        rows.append(f"| {key} | {e['off']['output_tokens_per_s']:.1f} | "
-                    f"{e['on']['output_tokens_per_s']:.1f} | {e['speedup']:.2f} | "
-                    f"{e['off']['tpot_median_ms']:.0f} | {e['on']['tpot_median_ms']:.0f} | "
-                    f"{'-' if acc is None else f'{acc:.2f}'} | {e['off']['steps']}/{e['on']['steps']} | "
-                    f"{e['outputs_equal']} |")
+        off_tok, on_tok = e["off"]["output_tokens_per_s"], e["on"]["output_tokens_per_s"]
+        rows.append([key, f"{off_tok:.1f}", f"{on_tok:.1f}", f"{e['speedup']:.2f}",
+                     cost_cell(off_tok, price), cost_cell(on_tok, price),
+                     f"{e['off']['tpot_median_ms']:.0f}", f"{e['on']['tpot_median_ms']:.0f}",
+                     "-" if acc is None else f"{acc:.2f}",
+                     f"{e['off']['steps']}/{e['on']['steps']}", e["outputs_equal"]])
     steps = report["step_ms_by_rows"]
-    rows.append("\nDecode-only step ms by rows: " + ", ".join(f"{r}: {v:.1f}" for r, v in steps.items()))
-    return "\n".join(rows)
+    return (table(["workload @ concurrency", "tok/s off", "tok/s on", "speedup",
+                   "$ / M out tok off", "$ / M out tok on", "TPOT off ms", "TPOT on ms",
+                   "acceptance", "steps off/on", "equal"], rows)
+            + "\n\nDecode-only step ms by rows: "
+            + ", ".join(f"{r}: {v:.1f}" for r, v in steps.items()))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench spec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-batch-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -169,7 +171,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--out", default="bench_out")
-    print(markdown(run_on_embedded_model(bench_spec, ap.parse_args(argv), "bench_spec.json")))
+    add_price_argument(ap)
+    report = run_on_embedded_model(bench_spec, ap.parse_args(argv), "bench_spec.json")
+    print(markdown(report))
+    print(price_line(report["price"]))
+    return report
 
 
 if __name__ == "__main__":

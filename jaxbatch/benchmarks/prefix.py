@@ -1,8 +1,8 @@
-"""Prefix caching, on vs off in one run, warm, on the embedded model (`scripts/bench.py
---workloads prefix` runs this too):
+"""Prefix caching, on vs off in one run, warm, on the embedded model (`jaxbatch bench
+throughput --workloads prefix` runs this too):
 
   shared_system  chat requests arriving at --prefix-rate (Poisson), all with one long system
-                 prompt (scripts/data/system_prompt.txt, ~850 tokens) and their own question
+                 prompt (benchmarks/data/system_prompt.txt, ~850 tokens) and their own question
   multi_turn     conversations whose every turn resends the whole history (system prompt,
                  earlier questions and the model's own answers) plus a new question
   no_sharing     the bundled prompts, each once, at t=0: hashing is all the cache adds here
@@ -12,34 +12,25 @@ and each run starts from an empty cache, so a hit is only ever one request helpi
 On/off runs alternate --repeats times and each figure is the median (this machine is shared).
 Every request is greedy, so the outputs must also be equal: any difference is reported.
 
-    python scripts/bench_prefix.py [--repeats 2] [--out bench_out]
+    jaxbatch bench prefix [--repeats 2] [--out bench_out] [--price-per-hour USD]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from bench import (DEFAULT_PROMPTS, Request, encode_prompts, lognormal_lengths, load_prompts,
-                   machine_info, run_jaxbatch, stats_ms, summarize, to_json)
+from jaxbatch.benchmarks.harness import run_jaxbatch, run_on_embedded_model, summarize
+from jaxbatch.benchmarks.machine import add_price_argument
+from jaxbatch.benchmarks.report import cost_cell, price_line, stats_ms, table
+from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, Request, chat_ids,
+                                           encode_prompts, lognormal_lengths, load_prompts)
 
-SYSTEM_PROMPT = Path(__file__).with_name("data") / "system_prompt.txt"
 FOLLOW_UPS = ["Can you say that in fewer words?", "What would you pick for a beginner?",
               "And if the weather turns bad?", "How much would that cost roughly?",
               "Is there anything I should avoid?"]
-
-
-def chat_ids(tokenizer, messages) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        return_dict=False)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> list[Request]:
@@ -173,19 +164,21 @@ def bench_prefix(loaded, args) -> dict:
     return report
 
 
-def markdown(report) -> str:
-    rows = ["| workload | cache | TTFT mean ms | TTFT median ms | output tok/s | hit rate |",
-            "|---|---|---|---|---|---|"]
+def markdown(report, price: dict | None = None) -> str:
+    price = price or report.get("price") or {}
+    rows = []
     for w in ("shared_system", "multi_turn", "no_sharing"):
         for name in ("off", "on"):
             r = report[w][name]
-            rows.append(f"| {w} | {name} | {r['ttft_mean_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
-                        f"{r['output_tokens_per_s']:.1f} | {r['hit_rate']:.2f} |")
+            rows.append([w, name, f"{r['ttft_mean_ms']:.0f}", f"{r['ttft_median_ms']:.0f}",
+                         f"{r['output_tokens_per_s']:.1f}",
+                         cost_cell(r["output_tokens_per_s"], price), f"{r['hit_rate']:.2f}"])
         on, off = report[w]["on"], report[w]["off"]
-        rows.append(f"| {w} | on/off | {on['ttft_mean_ms'] / off['ttft_mean_ms']:.2f} | "
-                    f"{on['ttft_median_ms'] / off['ttft_median_ms']:.2f} | "
-                    f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f} | |")
-    return "\n".join(rows)
+        rows.append([w, "on/off", f"{on['ttft_mean_ms'] / off['ttft_mean_ms']:.2f}",
+                     f"{on['ttft_median_ms'] / off['ttft_median_ms']:.2f}",
+                     f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}", "", ""])
+    return table(["workload", "cache", "TTFT mean ms", "TTFT median ms", "output tok/s",
+                  "$ / M out tok", "hit rate"], rows)
 
 
 def add_arguments(ap) -> None:
@@ -201,29 +194,20 @@ def add_arguments(ap) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench prefix",
+                                 description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out")
-    report = run_on_embedded_model(bench_prefix, ap.parse_args(argv), "bench_prefix.json")
+    add_price_argument(ap)
+    args = ap.parse_args(argv)
+    report = run_on_embedded_model(bench_prefix, args, "bench_prefix.json")
     print(markdown(report))
+    print(price_line(report["price"]))
     print(f"multi_turn outputs equal on/off: {report['multi_turn']['outputs_equal']}")
-    return report
-
-
-def run_on_embedded_model(bench, args, json_name: str) -> dict:
-    """`bench(loaded, args)` on the embedded model (float32), timed, written to args.out."""
-    from jaxbatch.model.loader import load_model
-    start = time.perf_counter()
-    report = {"machine": machine_info(), "command": " ".join(sys.argv)}
-    report.update(bench(load_model(dtype="float32"), args))
-    report["bench_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / json_name).write_text(json.dumps(report, indent=1, default=to_json))
     return report
 
 

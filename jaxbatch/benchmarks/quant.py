@@ -1,6 +1,6 @@
 """Capacity and throughput of the int8 options on one KV memory budget (the embedded model).
 
-    python scripts/bench_quant.py [--context 256] [--base-seqs 8] [--requests 32] [--out DIR]
+    jaxbatch bench quant [--context 256] [--base-seqs 8] [--requests 32] [--out DIR]
 
 Capacity: the budget is what --base-seqs sequences of --context tokens need in a float32 cache
 (the CPU's model dtype); at that `kv_cache_memory_bytes`, the blocks a float32, bfloat16 and
@@ -17,34 +17,31 @@ decode-only step time.
 Decode step A/B: one decode step of --ab-rows rows at full context, float32 vs int8 weights
 (same float32 KV cache, xla attention), the two jitted steps timed alternately so that the
 load of other jobs on this machine hits both alike; median of --ab-reps.
-Writes bench_quant.json, prints a markdown table.
+Writes bench_quant.json, prints a markdown table (with the cost per million output tokens at
+--price-per-hour).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxbatch import SamplingParams  # noqa: E402
-from jaxbatch.worker import attention  # noqa: E402
-from jaxbatch.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxbatch.worker.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block  # noqa: E402
-from jaxbatch.model import llama  # noqa: E402
-from jaxbatch.model.loader import load_model  # noqa: E402
-from jaxbatch.model.quantize import quantize_params  # noqa: E402
-from jaxbatch.model.rope import inverse_frequencies  # noqa: E402
-from pallas_kernels.xla_paged_attention import decode_work_items, num_decode_items  # noqa: E402
+from jaxbatch import SamplingParams
+from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
+from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
+from jaxbatch.engine.llm_engine import LLMEngine
+from jaxbatch.model import llama
+from jaxbatch.model.loader import load_model
+from jaxbatch.model.quantize import quantize_params
+from jaxbatch.model.rope import inverse_frequencies
+from jaxbatch.worker import attention
+from jaxbatch.worker.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block
+from pallas_kernels.xla_paged_attention import decode_work_items, num_decode_items
 
 BLOCK_SIZE = 16
 
@@ -121,7 +118,7 @@ def decode_step_ab(params_by_name, cfg, rows, context, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench quant", description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=256, help="max_model_len, tokens per sequence")
     ap.add_argument("--base-seqs", type=int, default=8,
                     help="the budget is what this many full float32 sequences need")
@@ -132,6 +129,7 @@ def main(argv=None):
                                                       "int8_both"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_quant_out")
+    add_price_argument(ap)
     args = ap.parse_args(argv)
     loaded = load_model(None, "float32")
     cfg = loaded.config
@@ -146,10 +144,7 @@ def main(argv=None):
     variants = {"f32_kv": (base, {}), "int8_kv": (big, dict(kv_cache_dtype="int8")),
                 "int8_weights": (base, dict(quantization="int8")),
                 "int8_both": (big, dict(kv_cache_dtype="int8", quantization="int8"))}
-    report = {"machine": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-                          "platform": platform.platform(), "jax": jax.__version__,
-                          "backend": jax.default_backend(), "loadavg_start": os.getloadavg()},
-              "args": vars(args), "budget_bytes": budget, "capacity": cap, "runs": {}}
+    report = {"machine": machine_info(), "args": vars(args), "budget_bytes": budget, "capacity": cap, "runs": {}}
     for name in args.variants:
         slots, kw = variants[name]
         print(f"[bench_quant] {name}: {slots} slots", flush=True)
@@ -159,32 +154,33 @@ def main(argv=None):
         {"float32": loaded.params, "int8": quantize_params(loaded.params)}, cfg, args.ab_rows,
         args.context, args.ab_reps)
     report["machine"]["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_quant.json").write_text(json.dumps(report, indent=1))
+    report["price"] = resolve_price(args.price_per_hour, report["machine"])
+    write_json(Path(args.out) / "bench_quant.json", report)
     print(markdown(report))
     return report
 
 
 def markdown(report) -> str:
+    price = report.get("price") or {}
     lines = [f"KV budget {report['budget_bytes'] / 2**20:.1f} MiB, context "
              f"{report['args']['context']} tokens\n",
-             "| KV cache | bytes/block | blocks | tokens | max_num_seqs at context |",
-             "|---|---|---|---|---|"]
-    for name, c in report["capacity"].items():
-        lines.append(f"| {name} | {c['bytes_per_block']} | {c['blocks']} | {c['tokens']} | "
-                     f"{c['max_num_seqs']} |")
-    lines += ["", "| variant | slots | output tok/s | full-batch decode step ms | wall s |",
-              "|---|---|---|---|---|"]
+             table(["KV cache", "bytes/block", "blocks", "tokens", "max_num_seqs at context"],
+                   [[name, c["bytes_per_block"], c["blocks"], c["tokens"], c["max_num_seqs"]]
+                    for name, c in report["capacity"].items()]), ""]
+    rows = []
     for name, r in report["runs"].items():
         step = r["decode_step_ms_median"]
-        lines.append(f"| {name} | {r['max_num_seqs']} | {r['output_tokens_per_s']:.1f} | "
-                     f"{'n/a' if step is None else f'{step:.1f}'} | {r['seconds']:.1f} |")
+        rows.append([name, r["max_num_seqs"], f"{r['output_tokens_per_s']:.1f}",
+                     cost_cell(r["output_tokens_per_s"], price),
+                     "n/a" if step is None else f"{step:.1f}", f"{r['seconds']:.1f}"])
+    lines.append(table(["variant", "slots", "output tok/s", "$ / M out tok",
+                        "full-batch decode step ms", "wall s"], rows))
     ab = report.get("decode_step_ms")
     if ab:
         lines.append(f"\nDecode step, {report['args']['ab_rows']} rows at context "
                      f"{report['args']['context']}, median of {report['args']['ab_reps']} "
                      f"interleaved: " + ", ".join(f"{k} weights {v:.1f} ms" for k, v in ab.items()))
+    lines.append("\n" + price_line(price))
     return "\n".join(lines)
 
 

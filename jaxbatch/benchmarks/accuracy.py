@@ -1,8 +1,8 @@
 """What int8 quantization costs in accuracy, against the full-precision model.
 
-    python scripts/accuracy.py [--dtype float32] [--window 512] [--out accuracy_out]
+    jaxbatch bench accuracy [--dtype float32] [--window 512] [--out accuracy_out]
 
-Teacher-forced: the bundled text (scripts/data/accuracy_text.txt, ~4k tokens of original
+Teacher-forced: the bundled text (benchmarks/data/accuracy_text.txt, ~4k tokens of original
 English prose on several topics) is cut into windows of --window tokens, and each window runs
 through the engine's own forward (`model.llama.forward_hidden`, paged KV pool, prefill in
 chunks of --chunk tokens, so later chunks read the KV that earlier ones wrote: for an int8 cache,
@@ -19,23 +19,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxbatch.worker import attention, kv_cache  # noqa: E402
-from jaxbatch.model import llama  # noqa: E402
-from jaxbatch.model.loader import load_model  # noqa: E402
-from jaxbatch.model.rope import inverse_frequencies  # noqa: E402
-
-TEXT = Path(__file__).with_name("data") / "accuracy_text.txt"
+from jaxbatch.benchmarks.workloads import ACCURACY_TEXT as TEXT
+from jaxbatch.model import llama
+from jaxbatch.model.loader import load_model
+from jaxbatch.model.rope import inverse_frequencies
+from jaxbatch.worker import attention, kv_cache
 BLOCK_SIZE = 16
 VARIANTS = {  # name: (kv_cache_dtype, quantization)
     "full": ("auto", None),
@@ -176,7 +171,7 @@ def markdown(report) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=128)

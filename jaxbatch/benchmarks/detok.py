@@ -1,25 +1,23 @@
 """Host cost of turning generated tokens into text, per token, at long outputs.
 
-    .venv/bin/python scripts/bench_detok.py [--tokens 2048] [--repeats 3]
+    jaxbatch bench detok [--tokens 2048] [--repeats 3]
 
-"before": what LLMEngine._apply_stop_strings did until the incremental detokenizer: decode the
-whole output every step, then search the whole text for the stop strings (O(n) per token).
-"after": jaxbatch.engine.detokenizer.IncrementalDetokenizer, as the engine now calls it every step
-(update + the text a step's output carries). Both run on the embedded model's tokenizer over
+"before": what the engine did per step until the incremental detokenizer (its former
+`_apply_stop_strings`): decode the whole output every step, then search the whole text for
+the stop strings (O(n) per token).
+"after": jaxbatch.engine.detokenizer.IncrementalDetokenizer, as the engine now uses it every
+step (`RequestState.apply_stop_strings` calls `update`; the step's output carries
+`output_text`). Both run on the embedded model's tokenizer over
 the same token stream (real multilingual text, so multi-byte characters are split across
 tokens) with two stop strings that never match, so the whole output is searched.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jaxbatch.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from jaxbatch.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = ("The river that crosses the old city carried barges of grain, wine and timber. "
         "Café, naïve, jalapeño — 日本語のテキスト, 中文文本, 한국어 🙂🎉 ∑∫√∞. ")
@@ -52,11 +50,11 @@ def after(tok, ids):
     return times, text
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="jaxbatch bench detok", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from jaxbatch.model.loader import embedded_gguf_path, load_tokenizer
     tok = load_tokenizer(embedded_gguf_path())
     ids = []
@@ -83,4 +81,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

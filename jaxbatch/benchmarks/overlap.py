@@ -1,10 +1,10 @@
 """Host/device overlap (`async_scheduling`) on vs off, in one run, warm, on the embedded model:
 
-  mixed    bench.py's offline workload (48 chat requests, output lengths lognormal(32, 1) in
+  mixed    the throughput benchmark's offline workload (48 chat requests, output lengths lognormal(32, 1) in
            [8, 256], 16 slots, greedy): output tokens/s, steps, step wall time
   decode   16 sequences decoding in lockstep (contexts ~200), 25 steps: the step-time breakdown,
-           also with --host-delay-ms added to every schedule() (HostDelay: what overlap hides
-           when the host's share of a step is large, as on a fast accelerator)
+           also with --host-delay-ms added to every step (observer.HostDelay: what overlap
+           hides when the host's share of a step is large, as on a fast accelerator)
 
 Breakdown per step: wall (what engine.step() takes), device wait (the host blocked reading a
 step's tokens: `stats()["device_wait_seconds"]`), host = wall - wait. Without overlap the host's
@@ -13,24 +13,24 @@ runs while the device computes the previous step, so the wall time per step shou
 about the host time, and the wait grow by what the host no longer adds. Both engines share one
 runner (same executables); on/off alternate --repeats times; medians reported.
 
-    python scripts/bench_overlap.py [--repeats 3] [--out bench_out]
+    jaxbatch bench overlap [--repeats 3] [--out bench_out] [--price-per-hour USD]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from bench import (encode_prompts, load_prompts, offline_requests, pow2_model_len, run_jaxbatch,
-                   summarize)
-from bench_prefix import run_on_embedded_model
+from jaxbatch.benchmarks.harness import (pow2_model_len, run_jaxbatch, run_on_embedded_model,
+                                         summarize)
+from jaxbatch.benchmarks.machine import add_price_argument
+from jaxbatch.benchmarks.observer import HostDelay, observe
+from jaxbatch.benchmarks.report import cost_cell, price_line, table
+from jaxbatch.benchmarks.workloads import encode_prompts, load_prompts, offline_requests
 
 MODES = ("off", "on")
 
@@ -49,25 +49,9 @@ def mixed_run(engine, requests) -> dict:
             "compilations_after_warmup": after["num_compilations_after_warmup"]}
 
 
-class HostDelay:
-    """Adds `ms` of host time to every schedule() (a sleep: the GIL is released, as a C
-    tokenizer or a busier scheduler would leave the device running). On this CPU the host's own
-    work is ~1 % of a step, too little to see hidden; this shows what overlap hides when it is
-    not (a fast accelerator makes the device step short and the host's share large)."""
-
-    def __init__(self, engine, ms: float):
-        self.engine, self.schedule = engine, engine.scheduler.schedule
-        self.ms = ms
-
-    def __enter__(self):
-        def slow_schedule():
-            time.sleep(self.ms / 1e3)
-            return self.schedule()
-        if self.ms:
-            self.engine.scheduler.schedule = slow_schedule
-
-    def __exit__(self, *exc):
-        self.engine.scheduler.schedule = self.schedule
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def decode_run(engine, slots=16, context=200, steps=25, host_delay_ms=0.0) -> dict:
@@ -83,7 +67,8 @@ def decode_run(engine, slots=16, context=200, steps=25, host_delay_ms=0.0) -> di
     while sum(1 for _, seqs, _, tokens in engine.step_log[-2:] if tokens == seqs == slots) < 2:
         engine.step()
     walls, waits = [], []
-    with HostDelay(engine, host_delay_ms):
+    # The delay is where each step is read back: with overlap the next step already runs then.
+    with observe(engine, HostDelay(host_delay_ms)) if host_delay_ms else _nothing():
         for _ in range(steps):
             wait0, start = engine.device_wait_seconds, time.perf_counter()
             engine.step()
@@ -129,27 +114,31 @@ def bench_overlap(loaded, args) -> dict:
 
 
 def markdown(report) -> str:
-    rows = ["| workload | overlap | out tok/s | step ms | host ms (step − wait) | device wait ms | steps |",
-            "|---|---|---|---|---|---|---|"]
+    price, rows = report.get("price") or {}, []
     for workload in report["workloads"]:
         for mode in MODES:
             e = report[workload][mode]
-            tok = f"{e['output_tokens_per_s']:.1f}" if "output_tokens_per_s" in e else "–"
-            rows.append(f"| {workload} | {mode} | {tok} | {e['step_ms']:.1f} | {e['host_ms']:.1f} "
-                        f"| {e['device_wait_ms']:.1f} | {e.get('steps', '–')} |")
-    return "\n".join(rows)
+            tok = e.get("output_tokens_per_s")
+            rows.append([workload, mode, "–" if tok is None else f"{tok:.1f}",
+                         "–" if tok is None else cost_cell(tok, price), f"{e['step_ms']:.1f}",
+                         f"{e['host_ms']:.1f}", f"{e['device_wait_ms']:.1f}", e.get("steps", "–")])
+    return table(["workload", "overlap", "out tok/s", "$ / M out tok", "step ms",
+                  "host ms (step − wait)", "device wait ms", "steps"], rows)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="jaxbatch bench overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--host-delay-ms", type=float, nargs="+", default=[0.0, 50.0],
-                    help="host time added to every schedule() in the decode runs (HostDelay)")
+                    help="host time added to every step in the decode runs (HostDelay)")
     ap.add_argument("--out", default="bench_out")
+    add_price_argument(ap)
     args = ap.parse_args(argv)
     report = run_on_embedded_model(bench_overlap, args, "overlap.json")
     print(markdown(report))
+    print(price_line(report["price"]))
     return report
 
 

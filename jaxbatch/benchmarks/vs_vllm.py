@@ -1,5 +1,5 @@
 """jaxbatch against vLLM's CPU build, offline `LLM.generate`, side by side in one run: the same 48
-chat requests (bench_serve.py's workload: bundled prompts, chat template, output lengths
+chat requests (the serve benchmark's workload: bundled prompts, chat template, output lengths
 lognormal(32, 1) in [8, 256]), 16 slots, float32, greedy, ignore_eos; each engine in its own
 process, one untimed pass then --passes timed ones; the engines alternate --rounds times, so a
 slow moment of this shared machine hits both alike. Prefix caching is set alike on both sides:
@@ -8,7 +8,7 @@ would otherwise find the previous pass's prompts cached: a measure of the cache,
 and jaxbatch's `prefix_cache_granularity="block"` (vLLM's: its 25 distinct prompts are shorter
 than one of jaxbatch's 256-token prefill chunks, so the default "chunk" rule would share none).
 
-    python scripts/bench_vs_vllm.py [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
+    jaxbatch bench vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
 
 Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
 (scripts/export_safetensors.py). vLLM's CPU backend by default computes on one core and keeps
@@ -23,12 +23,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
+from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
+from jaxbatch.benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
+from jaxbatch.benchmarks.workloads import make_workload
 
 
 def run_jaxbatch(args, caching: str, out_dir: Path) -> float:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_serve import make_workload
     workload = make_workload(48)
     spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048, "dtype": "float32",
                            "enable_prefix_caching": caching == "on",
@@ -39,14 +40,14 @@ def run_jaxbatch(args, caching: str, out_dir: Path) -> float:
             "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{caching}.json")}
     spec_path = out_dir / f"jaxbatch_spec_{caching}.json"
     spec_path.write_text(json.dumps(spec))
-    subprocess.run([sys.executable, str(REPO / "scripts/bench_serve.py"), "--offline-worker",
+    subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.serve", "--offline-worker",
                     str(spec_path)], check=True, cwd=REPO)
     return json.loads(Path(spec["out"]).read_text())["output_tokens_per_s"]
 
 
 def run_vllm(args, caching: str, out_dir: Path) -> float:
     out = out_dir / f"vllm_{caching}.json"
-    cmd = [str(REPO / ".venv-vllm/bin/python"), str(REPO / "scripts/bench_vllm_offline.py"),
+    cmd = [str(DEFAULT_VLLM_PYTHON), "-m", "jaxbatch.benchmarks.vllm_offline",
            "--model", args.vllm_model, "--passes", str(args.passes), "--out", str(out),
            "--enable-prefix-caching" if caching == "on" else "--no-enable-prefix-caching"]
     if args.omp_bind:
@@ -56,7 +57,8 @@ def run_vllm(args, caching: str, out_dir: Path) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="jaxbatch bench vs-vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix-caching", nargs="+", choices=("off", "on"), default=["off", "on"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--passes", type=int, default=2)
@@ -64,10 +66,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--omp-bind", default=None)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--out", default="bench_out/vs_vllm")
+    add_price_argument(ap)
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"argv": sys.argv, "results": {}}
+    report = {"argv": sys.argv, "machine": machine_info(with_jax=False), "results": {}}
+    # Both engines run on this machine: one price for both.
+    report["price"] = price = resolve_price(args.price_per_hour, report["machine"])
     for caching in args.prefix_caching:
         runs = {"jaxbatch": [], "vllm": []}
         for r in range(args.rounds):
@@ -80,12 +85,14 @@ def main(argv=None) -> dict:
         med = {e: statistics.median(v) for e, v in runs.items()}
         report["results"][caching] = {"runs": runs, "median": med,
                                       "ratio": med["jaxbatch"] / med["vllm"]}
-    (out_dir / "vs_vllm.json").write_text(json.dumps(report, indent=1))
-    print("| prefix caching | jaxbatch out tok/s | vLLM out tok/s | jaxbatch / vLLM |")
-    print("|---|---|---|---|")
-    for caching, r in report["results"].items():
-        print(f"| {caching} | {r['median']['jaxbatch']:.1f} | {r['median']['vllm']:.1f} "
-              f"| {r['ratio']:.2f} |")
+    write_json(out_dir / "vs_vllm.json", report)
+    print(table(["prefix caching", "jaxbatch out tok/s", "vLLM out tok/s", "jaxbatch / vLLM",
+                 "jaxbatch $ / M out tok", "vLLM $ / M out tok"],
+                [[caching, f"{r['median']['jaxbatch']:.1f}", f"{r['median']['vllm']:.1f}",
+                  f"{r['ratio']:.2f}", cost_cell(r["median"]["jaxbatch"], price),
+                  cost_cell(r["median"]["vllm"], price)]
+                 for caching, r in report["results"].items()]))
+    print(price_line(price))
     return report
 
 

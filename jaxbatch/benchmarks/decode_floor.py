@@ -1,6 +1,6 @@
 """One decode step of the engine against its floor, with a breakdown of where the time goes.
 
-    python scripts/decode_floor.py [--slots 32] [--contexts 128 512] [--out bench_out]
+    jaxbatch bench decode-floor [--slots 32] [--contexts 128 512] [--out bench_out]
 
 The floor is what no engine design can beat on this machine: the same model's dense matmuls
 plus a dense, unpaged attention over the same contexts (a contiguous [B, ctx] KV cache per
@@ -30,17 +30,16 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch import SamplingParams
+from jaxbatch.benchmarks.observer import LastPlan, observe
+from jaxbatch.benchmarks.report import table
 from jaxbatch.worker import attention, runner as runner_mod, sampler
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model import llama
@@ -196,19 +195,13 @@ def measure_context(loaded, slots, ctx, rounds, seed, backend="auto"):
     ratio is the median of per-round ratios."""
     engine = steady_decode_engine(loaded, slots, ctx, rounds, seed, backend)
     engine_backend = engine.runner.backend
-    captured = {}
-    dispatch = engine.runner.dispatch
-
-    def recording_dispatch(plan, next_tokens):         # keeps the last decode plan
-        captured["plan"] = plan
-        return dispatch(plan, next_tokens)
-    engine.runner.dispatch = recording_dispatch
-
-    start = time.perf_counter()
-    engine.step()                                      # every prefill; first tokens sampled
-    prefill_s = time.perf_counter() - start
-    engine.step()                                      # first decode step: compiles it
-    plan = captured["plan"]
+    # No overlap here (steady_decode_engine), so each step is read back within its step().
+    with observe(engine, LastPlan()) as last:
+        start = time.perf_counter()
+        engine.step()                                  # every prefill; first tokens sampled
+        prefill_s = time.perf_counter() - start
+        engine.step()                                  # first decode step: compiles it
+    plan = last.plan
     if plan.prefills or len(plan.decodes) != slots:
         raise RuntimeError(f"context {ctx}: expected {slots} decodes and no prefill")
     pieces = build_pieces(engine, plan, slots, ctx)
@@ -248,20 +241,21 @@ def measure_context(loaded, slots, ctx, rounds, seed, backend="auto"):
 
 
 def markdown(results, target):
-    lines = ["| slots | context | engine step ms | floor ms | ratio | target | matmuls | "
-             "attention | paging | sampling | host |", "|---" * 11 + "|"]
+    rows = []
     for r in results:
         b = r["breakdown_ms"]
         verdict = "met" if r["ratio_engine_over_floor"] <= target else "missed"
-        lines.append(f"| {r['slots']} | {r['context']} | {r['engine_step_ms']:.1f} | "
-                     f"{r['floor_ms']:.1f} | {r['ratio_engine_over_floor']:.2f} | "
-                     f"<= {target} ({verdict}) | {b['matmuls']:.1f} | {b['attention']:.1f} | "
-                     f"{b['paging']:.1f} | {b['sampling']:.1f} | {b['host']:.1f} |")
-    return "\n".join(lines)
+        rows.append([r["slots"], r["context"], f"{r['engine_step_ms']:.1f}", f"{r['floor_ms']:.1f}",
+                     f"{r['ratio_engine_over_floor']:.2f}", f"<= {target} ({verdict})"]
+                    + [f"{b[k]:.1f}" for k in ("matmuls", "attention", "paging", "sampling",
+                                               "host")])
+    return table(["slots", "context", "engine step ms", "floor ms", "ratio", "target", "matmuls",
+                  "attention", "paging", "sampling", "host"], rows)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench decode-floor",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512],
                     help="powers of two >= 64 (a page bucket is ctx / 16 pages)")

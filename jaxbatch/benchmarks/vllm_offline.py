@@ -1,11 +1,13 @@
-"""vLLM's offline `LLM.generate` throughput on bench_serve.py's workload (the same prompts, chat
+"""vLLM's offline `LLM.generate` throughput on the serve benchmark's workload (the same prompts, chat
 template and per-request output lengths), for comparison with jaxbatch's `LLM.generate` and
-with the served numbers. Run it with the vLLM venv's python (scripts/setup_vllm_cpu.sh):
+with the served numbers. Run it with the vLLM venv's python (scripts/setup_vllm_cpu.sh) from the
+repository root (that venv has no jaxbatch installed: `-m` finds it in the current directory;
+nothing of jaxbatch that imports JAX is loaded):
 
-    .venv-vllm/bin/python scripts/bench_vllm_offline.py --model hf_export/SmolLM2-135M-Instruct
+    .venv-vllm/bin/python -m jaxbatch.benchmarks.vllm_offline --model hf_export/SmolLM2-135M-Instruct
     # both cores for vLLM's compute (by default vLLM's CPU backend reserves one core for its
     # front end; jaxbatch's XLA uses every core):
-    .venv-vllm/bin/python scripts/bench_vllm_offline.py --model DIR --omp-bind 0-1 --reserved-cpus 0
+    .venv-vllm/bin/python -m jaxbatch.benchmarks.vllm_offline --model DIR --omp-bind 0-1 --reserved-cpus 0
 
 48 chat requests by default, output lengths round(lognormal(32, 1)) clipped to [8, 256],
 16 slots (max_num_seqs), float32, greedy, ignore_eos. An untimed pass of the whole workload
@@ -18,15 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxbatch.benchmarks.workloads import encode_prompts, make_workload
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxbatch.benchmarks.vllm_offline",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF directory (scripts/export_safetensors.py)")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--output-median", type=float, default=32)
@@ -55,8 +57,6 @@ def main(argv=None):
     if args.reserved_cpus is not None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
 
-    from bench import encode_prompts
-    from bench_serve import make_workload
     import vllm
     from vllm import LLM, SamplingParams
 

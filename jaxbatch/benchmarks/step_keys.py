@@ -1,6 +1,6 @@
 """Step time of chosen executable keys on the embedded model, for pricing a bucket change.
 
-    python scripts/bench_step_keys.py "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
+    jaxbatch bench step-keys "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
 
 Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
 or not the bucket rules list it, and run on warm-up's placeholder inputs (every input padding:
@@ -16,21 +16,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="jaxbatch bench step-keys",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("keys", nargs="+", help="kind,a[,b], e.g. decode,32,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     import jax
+    import numpy as np
     from jaxbatch import LLM
     runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
                  compilation_cache=False).llm_engine.runner
@@ -39,9 +38,14 @@ def main(argv=None):
 
     def run_once(key):
         if key[0] == "sample":
+            # The sampler's arguments as the runner passes them (logits, sampling arrays, the
+            # kept tokens it updates, the rows' token slots); its last output is the new kept.
             n = key[1]
             logits = jax.numpy.zeros((n, runner.model_cfg.vocab_size))
-            return jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n)))
+            out = jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n),
+                                                  runner.kept_tokens, np.zeros(n, np.int32)))
+            runner.kept_tokens = out[-1]
+            return out
         out = exes[key](*runner._model_args(key, runner.layout.placeholder_call(*key).args))
         jax.block_until_ready(out)
         runner.pool = out[-1]

@@ -1,0 +1,236 @@
+"""The in-process harness: drive an engine over a workload and measure what `vllm bench serve`
+reports (request throughput, output tokens/s, TTFT, TPOT, ITL, end-to-end latency), plus the
+per-step log (sequences, KV blocks, tokens) and the ideal continuous/static ratio.
+
+Timing is wall clock around the timed part only; every engine is warmed up before it. A token's
+time is when the engine hands it to the caller (when `LLMEngine.step()` returns it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxbatch.benchmarks.machine import machine_info, resolve_price
+from jaxbatch.benchmarks.report import stats_ms, to_json as _default_json, write_json
+
+def ideal_ratio(output_lens, slots) -> dict:
+    """Decode steps each batching mode needs for these lengths (prefill ignored; a request holds
+    a slot for exactly its output length in steps, requests are served in order):
+      static      groups of `slots` in order; each group takes max(length in group) steps
+      continuous  FCFS list scheduling: each request takes the slot that frees first; the last
+                  slot to free is the step count (>= the bound ceil(total / slots))."""
+    static = sum(max(output_lens[i:i + slots]) for i in range(0, len(output_lens), slots))
+    free_at = [0] * slots
+    for n in output_lens:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    continuous = max(free_at)
+    bound = math.ceil(sum(output_lens) / slots)
+    return {"static_steps": static, "continuous_steps": continuous,
+            "continuous_steps_lower_bound": bound, "ideal_ratio": static / continuous,
+            "ratio_vs_lower_bound": static / bound}
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Trace:
+    """One request as one engine served it; times on that engine's clock (seconds)."""
+    rid: str
+    kind: str
+    prompt_len: int
+    output_len: int
+    arrival: float
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RunResult:
+    engine: str
+    start: float                    # clock value at t=0 of the timed run
+    traces: list[Trace]
+    # per engine step: (seconds since start, sequences computed, KV blocks in use, tokens)
+    steps: list[tuple[float, int, int, int]] = dataclasses.field(default_factory=list)
+    # wall time of each of those steps (the gaps between step ends also hold idle waits)
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def summarize(run: RunResult, traces=None) -> dict:
+    """vllm bench serve's figures. TPOT excludes the first token; ITL pools every gap."""
+    traces = run.traces if traces is None else traces
+    done = [t for t in traces if len(t.token_times) == t.output_len]
+    if not done:
+        raise RuntimeError(f"{run.engine}: no request completed")
+    end = max(t.token_times[-1] for t in done)
+    duration = end - run.start
+    out_tokens = sum(len(t.token_times) for t in done)
+    in_tokens = sum(t.prompt_len for t in done)
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (t.output_len - 1)
+            for t in done if t.output_len > 1]
+    itl = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
+    return {
+        "completed": len(done), "requests": len(traces), "duration_s": duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_tokens_per_s": out_tokens / duration,
+        "total_tokens_per_s": (in_tokens + out_tokens) / duration,
+        "ttft": stats_ms([t.token_times[0] - t.arrival for t in done]),
+        "tpot": stats_ms(tpot),
+        "itl": stats_ms(itl),
+        "e2el": stats_ms([t.token_times[-1] - t.arrival for t in done]),
+    }
+
+
+def step_stats(run: RunResult, slots: int) -> dict:
+    if not run.steps:
+        return {}
+    seqs = np.array([s[1] for s in run.steps])
+    blocks = np.array([s[2] for s in run.steps])
+    return {"num_steps": len(run.steps), "mean_slot_occupancy": float(seqs.mean() / slots),
+            "max_kv_blocks_in_use": int(blocks.max()), "mean_kv_blocks_in_use": float(blocks.mean()),
+            **step_time_split(run.steps, run.step_seconds)}
+
+
+def step_time_split(steps, step_seconds) -> dict:
+    """Where a run's step time went: steps carrying a prefill chunk vs decode-only steps (one
+    token per sequence), and the median decode-only step by rows (a power of two, as the
+    runner pads them). Works on bench.json's "steps" and "step_seconds" too."""
+    decode = [(s[1], dt) for s, dt in zip(steps, step_seconds) if s[3] == s[1]]
+    prefill = [dt for s, dt in zip(steps, step_seconds) if s[3] != s[1]]
+    by_rows: dict[int, list[float]] = {}
+    for rows, dt in decode:
+        by_rows.setdefault(1 << (rows - 1).bit_length(), []).append(dt)
+    return {"prefill_steps": len(prefill), "prefill_step_seconds": float(sum(prefill)),
+            "decode_only_steps": len(decode),
+            "decode_only_seconds": float(sum(dt for _, dt in decode)),
+            "mean_rows_per_decode_step": float(np.mean([r for r, _ in decode])) if decode else 0.0,
+            "decode_step_ms_by_rows": {r: {"steps": len(v), "median_ms": 1e3 * float(np.median(v))}
+                                       for r, v in sorted(by_rows.items())}}
+
+# ---- driving a jaxbatch engine -------------------------------------------------------------------
+
+def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=None, **kw):
+    from jaxbatch.engine.llm_engine import LLMEngine
+    return LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
+                     batching=batching, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
+                     warmup=False, **kw)
+
+
+def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
+    """Drives LLMEngine.step(), adding each request at its arrival time (arrival_time is set to
+    the scheduled arrival, so time spent queued counts in TTFT)."""
+    from jaxbatch import SamplingParams
+    before = engine.stats()["num_compilations"]
+    engine.reset_prefix_cache()      # a warm-up run of the same prompts must not serve this one
+    first_step = len(engine.step_log)
+    traces = {r.rid: Trace(r.rid, r.kind, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    bar = tqdm(total=len(requests), desc=label, disable=not progress, leave=False)
+    step_seconds = []
+    start = time.monotonic()
+    while pending or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while pending and start + pending[0].arrival <= now:
+            r = pending.popleft()
+            traces[r.rid].arrival = start + r.arrival
+            engine.add_request(r.rid, r.prompt_ids, SamplingParams(
+                temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+                arrival_time=start + r.arrival)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + pending[0].arrival - time.monotonic()))
+            continue
+        logged, started = len(engine.step_log), time.monotonic()
+        outputs = engine.step()
+        now = time.monotonic()
+        if len(engine.step_log) > logged:          # a step that computed something
+            step_seconds.append(now - started)
+        for out in outputs:
+            trace = traces[out.request_id]
+            trace.token_times += [now] * (len(out.outputs[0].token_ids) - len(trace.token_times))
+            bar.update(out.finished)
+    bar.close()
+    stats = engine.stats()
+    steps = [(t - start, seqs, blocks, tokens)
+             for t, seqs, blocks, tokens in engine.step_log[first_step:]]
+    info = {"compilations_before": before, "compilations_after": stats["num_compilations"],
+            "compilations_during_timed_run": stats["num_compilations"] - before,
+            "warmup_seconds": engine.warmup_seconds, "compile_seconds": stats["compile_seconds"],
+            "num_preemptions": stats["num_preemptions"],
+            "config": dataclasses.asdict(engine.config)}
+    return RunResult(label, start, list(traces.values()), steps, step_seconds, info)
+
+
+def warm_jaxbatch(engine, requests, mode):
+    """'buckets': compile every bucket (the runtime then never compiles, whatever arrives);
+    'workload': an untimed run of the same requests at t=0 (scheduling is deterministic, so an
+    offline run compiles exactly what its timed twin needs; cheaper on a GPU than all buckets)."""
+    if mode == "buckets":
+        engine.warmup()
+    else:
+        start = time.perf_counter()
+        run_jaxbatch(engine, [dataclasses.replace(r, arrival=0.0) for r in requests], "warm-up",
+                     progress=False)
+        engine.warmup_seconds += time.perf_counter() - start
+
+
+def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=None, **kw):
+    """An engine ready to time. With `shared`, it reuses that engine's runner (compiled steps
+    and KV pool): static and continuous then run identical executables, and a runner warmed on
+    every bucket needs no second warm-up. A workload warm-up still runs, since the other mode's
+    schedule may touch buckets this one did not."""
+    engine = jaxbatch_engine(loaded, batching, slots, model_len,
+                             runner=shared.runner if shared is not None else None, **kw)
+    if shared is None or mode == "workload":
+        warm_jaxbatch(engine, requests, mode)
+    return engine
+
+def pow2_model_len(requests, block_size=16) -> int:
+    """Smallest length with a power-of-two page count that fits every request, so the set of
+    page buckets (and compilations) is no larger than the workload needs."""
+    need = max(len(r.prompt_ids) + r.output_len for r in requests) + 1
+    pages = 1 << max(0, math.ceil(need / block_size) - 1).bit_length()
+    return pages * block_size
+
+
+def enable_xla_cache(path):
+    import jax
+    from jaxbatch.model.loader import cache_root
+    path = os.path.join(cache_root(), "xla") if path is None else path
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path or None
+
+
+def to_json(obj):
+    """Reports hold RunResults (serialised with traces and step logs, times from the run's
+    start) besides what report.to_json handles."""
+    if isinstance(obj, RunResult):
+        return {"engine": obj.engine, "info": obj.info, "steps": obj.steps,
+                "step_seconds": obj.step_seconds,
+                "traces": [{**dataclasses.asdict(t), "arrival": t.arrival - obj.start,
+                            "token_times": [x - obj.start for x in t.token_times]}
+                           for t in obj.traces]}
+    return _default_json(obj)
+
+
+def run_on_embedded_model(bench, args, json_name: str) -> dict:
+    """`bench(loaded, args)` on the embedded model (float32), timed, written to args.out; with
+    args.price_per_hour (add_price_argument), the report's "price" is resolved too."""
+    from jaxbatch.model.loader import load_model
+    start = time.perf_counter()
+    report = {"machine": machine_info(), "command": " ".join(sys.argv)}
+    report.update(bench(load_model(dtype="float32"), args))
+    report["bench_seconds"] = time.perf_counter() - start
+    if hasattr(args, "price_per_hour"):
+        report["price"] = resolve_price(args.price_per_hour, report["machine"])
+    write_json(Path(args.out) / json_name, report, to_json)
+    return report

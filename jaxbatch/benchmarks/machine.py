@@ -1,0 +1,115 @@
+"""What machine a benchmark ran on, and what an hour of it costs.
+
+`machine_info()` goes into every report: numbers from a shared 2-core VM and from an H200 are
+not comparable, and the CPU flags (AMX, AVX512-BF16) decide how fast bfloat16 runs on a CPU.
+`default_price_per_hour()` is the list price the cost per million output tokens is computed
+with when `--price-per-hour` is not given; it says which price it used.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+# CPU flags that change which dtype is fast here (DESIGN.md, "This CPU").
+INTERESTING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+                     "amx_tile")
+
+# On-demand list prices, USD per vCPU-hour, Linux, us-east-1, of the general-purpose AWS family
+# matching the CPU vendor (m7i.large = 2 vCPU Intel Sapphire Rapids $0.1008/h; m7a.large = 2 vCPU
+# AMD EPYC Genoa $0.11592/h). Checked against AWS's price list when written (2026-12); pass
+# --price-per-hour for any other machine or price.
+CPU_PRICES = {
+    "intel": (0.0504, "AWS m7i on-demand (us-east-1), $0.0504 per vCPU-hour"),
+    "amd": (0.05796, "AWS m7a on-demand (us-east-1), $0.05796 per vCPU-hour"),
+}
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(l.split(":", 1)[1].strip() for l in out.splitlines()
+                    if l.startswith("Model name"))
+    except (OSError, StopIteration):
+        return None
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in INTERESTING_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_info(with_jax: bool = True) -> dict:
+    """Date, Python, CPU (model, cores, flags), load, and -- unless with_jax=False (a venv
+    without jaxbatch's JAX, e.g. vLLM's) -- jax's version, backend and device."""
+    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cpu_model": cpu_model(), "cpu_count": cpu_count(), "cpu_flags": cpu_flags()}
+    try:
+        info["loadavg_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    if with_jax:
+        import jax
+        info.update(jax=jax.__version__, jax_backend=jax.default_backend(),
+                    device=str(jax.devices()[0].device_kind), device_count=jax.device_count())
+    for mod in ("torch", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return info
+
+
+def default_price_per_hour(info: dict | None = None) -> tuple[float | None, str]:
+    """(USD per hour, where the figure comes from) for the machine `info` describes (default:
+    this one). On a CPU: the vendor's AWS general-purpose on-demand price per vCPU times the
+    cores this process may use. On an accelerator no list price is assumed (they differ by
+    provider and commitment by several times): (None, why)."""
+    info = info or machine_info(with_jax=False)
+    backend = info.get("jax_backend", "cpu")
+    if backend != "cpu":
+        return None, (f"no list price assumed for {info.get('device', backend)}: "
+                      f"pass --price-per-hour")
+    model = (info.get("cpu_model") or "").lower()
+    vendor = "amd" if "amd" in model else "intel"
+    per_vcpu, source = CPU_PRICES[vendor]
+    cores = int(info.get("cpu_count") or 1)
+    return per_vcpu * cores, f"{source} x {cores} vCPU"
+
+
+def add_price_argument(ap) -> None:
+    """--price-per-hour, with the default price stated in --help."""
+    price, source = default_price_per_hour({"cpu_model": cpu_model(), "cpu_count": cpu_count()})
+    ap.add_argument("--price-per-hour", type=float, default=None,
+                    help="USD per hour of this machine, for the cost per million output tokens "
+                         f"(default on this CPU: ${price:.4f}/h, {source}; on a GPU none is "
+                         "assumed)")
+
+
+def resolve_price(price_per_hour: float | None, info: dict) -> dict:
+    """The price a report uses: the one given, or the default for the machine it ran on."""
+    if price_per_hour is not None:
+        return {"usd_per_hour": price_per_hour, "source": "--price-per-hour"}
+    price, source = default_price_per_hour(info)
+    return {"usd_per_hour": price, "source": source}

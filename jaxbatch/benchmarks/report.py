@@ -1,0 +1,116 @@
+"""One report writer for every benchmark: figures, JSON, markdown tables, PNG plots, cost.
+
+A benchmark builds a dict (its report), then `write_report(out_dir, name, report, md)` writes
+`name.json` (numpy scalars and dataclasses serialised) and `name.md`; `table()` makes the
+markdown tables; `save_png()` saves a matplotlib figure; `cost_per_million()` turns output
+tokens per second and a price per hour into USD per million output tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def fmt(x, digits=1) -> str:
+    """A number for a table cell; '-' when there is none."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def stats_ms(values) -> dict:
+    """Mean, median and p99 of seconds, in milliseconds (None when there are no values)."""
+    if not values:
+        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+    arr = 1e3 * np.asarray(values, np.float64)
+    return {"mean_ms": float(arr.mean()), "median_ms": float(np.median(arr)),
+            "p99_ms": float(np.percentile(arr, 99))}
+
+
+def trio(s: dict, digits: int = 0) -> str:
+    """'mean/median/p99' of a stats_ms dict."""
+    return "/".join(fmt(s[k], digits) for k in ("mean_ms", "median_ms", "p99_ms"))
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    """A markdown table; cells are str()-ed as they are."""
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cost_per_million(output_tokens_per_s, usd_per_hour) -> float | None:
+    """USD per million output tokens at this throughput on a machine of this hourly price."""
+    if not output_tokens_per_s or usd_per_hour is None:
+        return None
+    return usd_per_hour / (output_tokens_per_s * 3600.0) * 1e6
+
+
+def cost_cell(output_tokens_per_s, price: dict) -> str:
+    """A table cell: '$0.123' (the price is stated once, in `price_line`)."""
+    c = cost_per_million(output_tokens_per_s, price.get("usd_per_hour"))
+    return "n/a" if c is None else f"${c:.3f}"
+
+
+def price_line(price: dict) -> str:
+    """The sentence under a table that says what the '$ / M out tok' column assumes."""
+    if price.get("usd_per_hour") is None:
+        return f"Cost per million output tokens: not computed ({price.get('source')})."
+    return (f"Cost per million output tokens ($ / M out tok) at ${price['usd_per_hour']:.4f} "
+            f"per hour ({price['source']}).")
+
+
+def to_json(obj):
+    """json.dumps default: numpy scalars and arrays, dataclasses, paths; anything else as str."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+def write_json(path: Path, report: dict, default=to_json) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=default))
+    return path
+
+
+def write_report(out_dir, name: str, report: dict, md: str | None = None,
+                 default=to_json) -> list[Path]:
+    """<out_dir>/<name>.json and, given the markdown, <out_dir>/<name>.md."""
+    out = Path(out_dir)
+    paths = [write_json(out / f"{name}.json", report, default)]
+    if md is not None:
+        (out / f"{name}.md").write_text(md + "\n")
+        paths.append(out / f"{name}.md")
+    return paths
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_png(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return Path(path).name
+
+
+def cdf(ax, values, label) -> None:
+    values = np.sort(values)
+    ax.step(values, np.arange(1, len(values) + 1) / max(1, len(values)), where="post", label=label)

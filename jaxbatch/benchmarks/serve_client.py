@@ -1,0 +1,289 @@
+"""The load generator's client side (`jaxbatch bench serve`): one streaming request, the
+/health poller, one run of a workload against one server at one rate, and the figures of
+`vllm bench serve` over its results.
+
+Every time is read from `clock` (default time.perf_counter) relative to the run's start, so a
+test can drive a run on a fake clock and check the arithmetic exactly; `transport` lets it
+answer the requests in-process (an httpx transport).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+
+import numpy as np
+
+from jaxbatch.benchmarks.report import stats_ms
+from jaxbatch.benchmarks.workloads import ServeRequest, arrival_offsets
+
+@dataclasses.dataclass
+class RequestResult:
+    idx: int
+    max_tokens: int
+    scheduled: float = 0.0      # arrival offset from the start of the run (s)
+    sent: float = 0.0           # offsets from the start of the run (s)
+    chunk_times: list[float] = dataclasses.field(default_factory=list)   # chunks with text
+    end: float = 0.0
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None    # from usage
+    usage_missing: bool = False
+    finish_reason: str | None = None
+    text_chars: int = 0
+    ok: bool = False
+    error: str | None = None
+
+    @property
+    def ttft(self):
+        return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def e2el(self):
+        return self.end - self.sent
+
+    @property
+    def tpot(self):
+        if self.ttft is None or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self):
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+def request_body(api: str, model: str, req: ServeRequest, max_tokens_field: str | None,
+                 extra: dict) -> dict:
+    body = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": req.text}]
+        body[max_tokens_field or "max_completion_tokens"] = req.max_tokens
+    else:
+        body["prompt"] = req.text
+        body[max_tokens_field or "max_tokens"] = req.max_tokens
+    body.update(extra)
+    return body
+
+
+def _chunk_text(api: str, choice: dict) -> str:
+    if api == "chat":
+        delta = choice.get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choice.get("text") or ""
+
+
+async def send_request(client, base: str, api: str, body: dict, result: RequestResult,
+                       t0: float, clock=time.perf_counter) -> RequestResult:
+    """One streaming request; fills `result` with times relative to t0 (on `clock`)."""
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    chunks_seen = 0
+    result.sent = clock() - t0
+    try:
+        async with client.stream("POST", base + path, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {text[:300]}"
+                result.end = clock() - t0
+                return result
+            done = False
+            async for line in resp.aiter_lines():
+                now = clock() - t0
+                if not line.startswith("data:"):
+                    continue        # blank separators, ": keep-alive" comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    result.error = f"stream error: {json.dumps(msg['error'])[:300]}"
+                    break
+                for choice in msg.get("choices") or []:
+                    text = _chunk_text(api, choice)
+                    if text:
+                        result.chunk_times.append(now)
+                        result.text_chars += len(text)
+                        chunks_seen += 1
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+                usage = msg.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.output_tokens = usage.get("completion_tokens")
+            result.end = clock() - t0
+            if result.error is None and not done:
+                result.error = "stream ended without data: [DONE]"
+    except Exception as e:      # connection refused/reset, timeouts, bad JSON
+        result.end = clock() - t0
+        result.error = f"{type(e).__name__}: {e}"[:300]
+        return result
+    if result.error is None:
+        if result.output_tokens is None:
+            # No usage chunk (server ignores include_usage): count chunks, and say so.
+            result.usage_missing = True
+            result.output_tokens = chunks_seen
+        result.ok = result.output_tokens > 0 and bool(result.chunk_times)
+        if not result.ok:
+            result.error = "no output tokens"
+    return result
+
+
+# ---- /health poller ------------------------------------------------------------------------------
+
+async def poll_health(client, base: str, interval: float, stop: asyncio.Event, t0: float,
+                      samples: list, clock=time.perf_counter) -> None:
+    """GET /health every `interval` s until `stop`; (offset s on `clock`, latency s, status or
+    error). The latency is always wall time: it is what an orchestrator's probe would see."""
+    while not stop.is_set():
+        offset, start = clock() - t0, time.perf_counter()
+        try:
+            resp = await client.get(base + "/health", timeout=10.0)
+            status = resp.status_code
+        except Exception as e:
+            status = type(e).__name__
+        end = time.perf_counter()
+        samples.append((offset, end - start, status))
+        try:
+            await asyncio.wait_for(stop.wait(), max(0.0, interval - (end - start)))
+        except asyncio.TimeoutError:
+            pass
+
+
+def health_summary(samples) -> dict:
+    lat = [s[1] for s in samples]
+    bad = [s for s in samples if s[2] != 200]
+    return {"samples": len(samples), "non_200": len(bad),
+            "statuses_non_200": sorted({str(s[2]) for s in bad}),
+            "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
+            "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else None,
+            "max_ms": 1e3 * max(lat) if lat else None}
+
+
+# ---- one run: a target at one rate ---------------------------------------------------------------
+
+def _client(limit: int | None = None, api_key: str | None = None, transport=None):
+    import httpx
+    # trust_env=False: a proxy from the environment must not sit between us and 127.0.0.1.
+    return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, connect=30.0), trust_env=False,
+                             limits=httpx.Limits(max_connections=limit,
+                                                 max_keepalive_connections=limit),
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+                             transport=transport)
+
+
+async def run_load(base: str, workload, *, rate: float = math.inf, max_concurrency=None,
+                   api: str = "chat", model: str | None = None, goodput=None,
+                   health_interval: float | None = 0.1, max_tokens_field=None,
+                   extra_body=None, api_key=None, clock=time.perf_counter,
+                   transport=None) -> dict:
+    """Sends the workload to one server at one rate; returns the summary and every request.
+    `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
+    base = normalize_base(base)
+    extra_body = extra_body or {}
+    async with _client(None, api_key, transport) as client, \
+            _client(4, transport=transport) as health_client:
+        model = model or await served_model(client, base)
+        offsets = arrival_offsets(workload, rate)
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        samples, stop = [], asyncio.Event()
+        inflight = [0, 0]      # now, peak
+
+        async def one(req, offset):
+            delay = offset - (clock() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = RequestResult(req.idx, req.max_tokens, scheduled=offset)
+            body = request_body(api, model, req, max_tokens_field, extra_body)
+            if sem is None:
+                return await _counted(send_request(client, base, api, body, result, t0, clock))
+            async with sem:
+                return await _counted(send_request(client, base, api, body, result, t0, clock))
+
+        async def _counted(coro):
+            inflight[0] += 1
+            inflight[1] = max(inflight[1], inflight[0])
+            try:
+                return await coro
+            finally:
+                inflight[0] -= 1
+
+        t0 = clock()
+        poller = (asyncio.create_task(poll_health(health_client, base, health_interval, stop, t0,
+                                                  samples, clock))
+                  if health_interval else None)
+        results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
+        duration = clock() - t0
+        stop.set()
+        if poller:
+            await poller
+    summary = summarize_results(results, duration, goodput)
+    summary.update(model=model, api=api, request_rate=rate, max_concurrency=max_concurrency,
+                   peak_concurrent_requests=inflight[1], health=health_summary(samples))
+    return {"summary": summary,
+            "requests": [{**dataclasses.asdict(r), "ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el}
+                         for r in results],
+            "health_samples": samples}
+
+
+def summarize_results(results, duration: float, goodput=None) -> dict:
+    """vllm bench serve's figures over the completed requests."""
+    done = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens or 0 for r in done)
+    end = max((r.end for r in done), default=duration)
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    summary = {
+        "num_requests": len(results), "completed": len(done), "failed": len(failed),
+        "errors": sorted({r.error for r in failed})[:5],
+        "duration_s": end,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "expected_output_tokens": sum(r.max_tokens for r in done),
+        "requests_with_other_output_length": sum(r.output_tokens != r.max_tokens for r in done),
+        "requests_without_usage": sum(r.usage_missing for r in done),
+        "request_throughput": len(done) / end if end > 0 else None,
+        "output_tokens_per_s": out_tokens / end if end > 0 else None,
+        "total_tokens_per_s": (in_tokens + out_tokens) / end if end > 0 else None,
+        "ttft": stats_ms([r.ttft for r in done]),
+        "tpot": stats_ms(tpots),
+        "itl": stats_ms([x for r in done for x in r.itls]),
+        "e2el": stats_ms([r.e2el for r in done]),
+        "max_send_lag_ms": 1e3 * max((r.sent - r.scheduled for r in results), default=0.0),
+    }
+    if goodput:
+        good = [r for r in done if _meets(r, goodput)]
+        summary["goodput_slo_ms"] = dict(goodput)
+        summary["good_requests"] = len(good)
+        summary["goodput"] = len(good) / end if end > 0 else None
+    return summary
+
+
+def _meets(r: RequestResult, slo: dict) -> bool:
+    values = {"ttft": r.ttft, "tpot": r.tpot if r.tpot is not None else 0.0, "e2el": r.e2el}
+    return all(values[k] * 1e3 <= v for k, v in slo.items())
+
+
+def normalize_base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+async def served_model(client, base: str) -> str:
+    resp = await client.get(base + "/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def warm_up(base, workload, api, model, how: str, num: int, max_tokens_field, extra,
+                  api_key=None):
+    """Untimed: `requests` sends the first `num` requests at once; `workload` the whole
+    workload at once (compiles what the timed runs will need, on servers that compile lazily)."""
+    if how == "none":
+        return None
+    reqs = workload if how == "workload" else workload[:num]
+    out = await run_load(base, reqs, api=api, model=model, health_interval=None,
+                         max_tokens_field=max_tokens_field, extra_body=extra, api_key=api_key)
+    return out["summary"]

@@ -1,0 +1,341 @@
+"""Throughput (`jaxbatch bench throughput`) and latency under arrivals (`jaxbatch bench latency`):
+jaxbatch against itself (continuous vs static batching) and against Hugging Face transformers
+(`generate`, padded static batches; `generate_batch`, its continuous batching) on the same
+prompts and output lengths, with the metrics of `vllm bench serve`.
+
+    jaxbatch bench throughput                                # CPU defaults, a few minutes
+    jaxbatch bench throughput --engines continuous static    # jaxbatch only
+    jaxbatch bench latency --request-rate 1.5                # = throughput --workloads online
+    jaxbatch bench throughput --device gpu [--dry-run]       # random-weight 1B/8B shapes, MBU
+
+Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths are controlled):
+  offline  --num-requests requests at t=0, prompts drawn uniformly from the bundled set
+           (jaxbatch/benchmarks/data/bench_prompts.json, chat template applied), output lengths
+           round(lognormal(median, sigma)) clipped to [min, max] -- a long tail.
+  online   Poisson arrivals at --request-rate: short requests (short/medium prompts) with long
+           prompts among them; p99 TTFT of the short ones with chunked prefill vs chunking
+           disabled (jaxbatch continuous only). The default of `latency`.
+  prefix   prefix caching on vs off: a shared system prompt, multi-turn conversations and
+           distinct prompts (`jaxbatch bench prefix`; not in the default set).
+Every timed jaxbatch run starts from an empty prefix cache.
+
+Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
+`engine.warmup()` compiles every bucket; HF: a short untimed run); see harness.py and
+hf_baselines.py for when a token counts as delivered. Every table states the cost per million
+output tokens at --price-per-hour (default: a list price for this machine, see machine.py).
+Output: JSON with every figure, PNG plots and a markdown summary printed last (see --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from jaxbatch.benchmarks import prefix as prefix_bench
+from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
+                                         pow2_model_len, run_jaxbatch, step_stats, summarize,
+                                         to_json, warm_jaxbatch, warmed_engine)
+from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
+from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, stats_ms, table, trio,
+                                        write_json)
+from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SHORT_KINDS, encode_prompts,
+                                           load_prompts, offline_requests, online_requests)
+
+ENGINES = ("continuous", "static", "hf_generate", "hf_generate_batch")
+
+
+# ---- CPU benchmark -------------------------------------------------------------------------------
+
+def bench_offline(args, loaded, hf_model, requests) -> dict:
+    """Every selected engine on the same requests; returns summaries and raw runs."""
+    slots, model_len = args.max_num_seqs, pow2_model_len(requests)
+    runs, first = {}, None
+    for name in args.engines:
+        if name in ("continuous", "static"):
+            engine = warmed_engine(loaded, name, slots, model_len, requests, args.warmup,
+                                   shared=first, **args.engine_kwargs)
+            runs[name] = run_jaxbatch(engine, requests, name)
+            runs[name].info["runner_shared_with"] = first and first.config.batching
+            first = first or engine
+        elif name == "hf_generate":
+            from jaxbatch.benchmarks.hf_baselines import run_hf_generate
+            runs[name] = run_hf_generate(hf_model, requests, slots)
+        else:
+            from jaxbatch.benchmarks.hf_baselines import run_hf_generate_batch
+            runs[name] = run_hf_generate_batch(hf_model, requests, slots)
+    lens = [r.output_len for r in requests]
+    return {
+        "requests": [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
+                      "output_len": r.output_len} for r in requests],
+        "max_model_len": model_len,
+        "ideal": ideal_ratio(lens, slots),
+        "summaries": {n: {**summarize(run), **step_stats(run, slots), **run.info}
+                      for n, run in runs.items()},
+        "runs": runs,
+    }
+
+
+def bench_online(args, loaded, requests) -> dict:
+    """jaxbatch continuous with chunked prefill vs chunking disabled, same arrivals."""
+    slots, model_len = args.max_num_seqs, pow2_model_len(requests)
+    longest = max(len(r.prompt_ids) for r in requests)
+    whole = 1 << (longest - 1).bit_length()
+    variants = {
+        # A long prompt takes at most `chunk` tokens a step; the rest of the budget admits
+        # short prompts in the same step.
+        "chunked": (args.online_chunk, slots + args.online_budget_chunks * args.online_chunk),
+        # Chunking disabled: one chunk holds any prompt whole.
+        "unchunked": (whole, slots + whole),
+    }
+    runs, summaries = {}, {}
+    for name, (chunk, budget) in variants.items():
+        engine = jaxbatch_engine(loaded, "continuous", slots, model_len, chunk, budget,
+                                 **args.engine_kwargs)
+        warm_jaxbatch(engine, requests, "buckets")   # arrivals vary run to run: compile all
+        run = runs[name] = run_jaxbatch(engine, requests, f"online {name}")
+        del engine
+        short = [t for t in run.traces if t.kind in SHORT_KINDS]
+        summaries[name] = {**summarize(run), **step_stats(run, slots), **run.info,
+                           "prefill_chunk_size": chunk, "max_num_batched_tokens": budget,
+                           "short_ttft": stats_ms([t.token_times[0] - t.arrival for t in short]),
+                           "max_step_ms": 1e3 * max(run.step_seconds)}
+    return {"requests": [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
+                          "output_len": r.output_len, "arrival_s": r.arrival} for r in requests],
+            "request_rate": args.request_rate, "summaries": summaries, "runs": runs}
+
+# ---- report --------------------------------------------------------------------------------------
+
+def engine_table(summaries, price: dict) -> str:
+    rows = [[name, fmt(s["request_throughput"], 2), fmt(s["output_tokens_per_s"]),
+             cost_cell(s["output_tokens_per_s"], price), trio(s["ttft"]), trio(s["tpot"]),
+             trio(s["itl"]), trio(s["e2el"]), s.get("num_steps", "-"),
+             fmt(s.get("mean_slot_occupancy"), 2), s.get("compilations_during_timed_run", "-")]
+            for name, s in summaries.items()]
+    return table(["engine", "req/s", "out tok/s", "$ / M out tok", "TTFT mean/med/p99 ms",
+                  "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms", "E2EL mean/med/p99 ms",
+                  "steps", "slot occ.", "compiles timed"], rows)
+
+
+def online_table(online, price: dict) -> str:
+    rows = [[name, s["prefill_chunk_size"], s["max_num_batched_tokens"], trio(s["short_ttft"]),
+             fmt(s["ttft"]["p99_ms"], 0), fmt(s["max_step_ms"], 0), fmt(s["output_tokens_per_s"]),
+             cost_cell(s["output_tokens_per_s"], price), s["compilations_during_timed_run"]]
+            for name, s in online["summaries"].items()]
+    return table(["online variant", "chunk", "budget", "short TTFT mean/med/p99 ms",
+                  "all TTFT p99 ms", "max step ms", "out tok/s", "$ / M out tok",
+                  "compiles timed"], rows)
+
+
+def targets(report) -> list[dict]:
+    """The issue's targets, each with the measured figure and met / missed / not run."""
+    rows = []
+
+    def add(name, value, target, met):
+        rows.append({"target": name, "measured": value, "goal": target,
+                     "status": "not run" if met is None else ("met" if met else "missed")})
+    off = report.get("offline", {})
+    s = off.get("summaries", {})
+    tps = {k: v["output_tokens_per_s"] for k, v in s.items()}
+    if "continuous" in tps and "static" in tps:
+        ratio, ideal = tps["continuous"] / tps["static"], off["ideal"]["ideal_ratio"]
+        steps = s["static"]["num_steps"] / s["continuous"]["num_steps"]
+        add("continuous / static output tok/s", f"{ratio:.2f} (ideal {ideal:.2f}, 0.9 x ideal "
+            f"= {0.9 * ideal:.2f}; measured step ratio {steps:.2f})",
+            ">= 0.9 x ideal and >= 2.0", ratio >= 0.9 * ideal and ratio >= 2.0)
+    for hf, goal in (("hf_generate", 3.0), ("hf_generate_batch", 1.5)):
+        if "continuous" in tps and hf in tps:
+            r = tps["continuous"] / tps[hf]
+            add(f"continuous / {hf} output tok/s", f"{r:.2f}", f">= {goal}", r >= goal)
+    floor = report.get("decode_floor")
+    if floor:
+        for r in floor["results"]:
+            add(f"decode step / floor, {r['slots']} slots, context {r['context']}",
+                f"{r['ratio_engine_over_floor']:.2f} ({r['engine_step_ms']:.0f} vs "
+                f"{r['floor_ms']:.0f} ms)", f"<= {floor['target_ratio']}",
+                r["ratio_engine_over_floor"] <= floor["target_ratio"])
+    else:
+        add("decode step / floor", "run jaxbatch bench decode-floor --out DIR", "<= 1.3", None)
+    on = report.get("online", {}).get("summaries", {})
+    if "chunked" in on and "unchunked" in on:
+        c, u = on["chunked"]["short_ttft"]["p99_ms"], on["unchunked"]["short_ttft"]["p99_ms"]
+        add("online p99 TTFT of short requests, chunked vs unchunked",
+            f"{c:.0f} ms vs {u:.0f} ms (max step {on['chunked']['max_step_ms']:.0f} vs "
+            f"{on['unchunked']['max_step_ms']:.0f} ms)", "chunked below unchunked", c < u)
+    compiles = {f"{part} {k}": v["compilations_during_timed_run"]
+                for part in ("offline", "online")
+                for k, v in report.get(part, {}).get("summaries", {}).items()
+                if "compilations_during_timed_run" in v}
+    if compiles:
+        add("compilations after warm-up", ", ".join(f"{k}: {v}" for k, v in compiles.items()),
+            "0 everywhere", not any(compiles.values()))
+    return rows
+
+
+def targets_table(rows) -> str:
+    return table(["target", "measured", "goal", "status"],
+                 [[r["target"], r["measured"], r["goal"], r["status"]] for r in rows])
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse_args(argv=None, workloads=("offline", "online"), prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    ap.add_argument("--workloads", nargs="+", choices=("offline", "online", "prefix"),
+                    default=list(workloads))
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="slots (HF: batch size); default 16, 64 with --device gpu")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="offline requests; default 32, 4 x slots with --device gpu")
+    ap.add_argument("--output-median", type=float, default=24)
+    ap.add_argument("--output-sigma", type=float, default=1.0)
+    ap.add_argument("--output-min", type=int, default=4)
+    ap.add_argument("--output-max", type=int, default=192)
+    ap.add_argument("--request-rate", type=float, default=1.0, help="online arrivals per second")
+    ap.add_argument("--online-short", type=int, default=20, help="online short requests")
+    ap.add_argument("--online-long", type=int, default=3, help="online long prompts among them")
+    ap.add_argument("--online-output-median", type=float, default=12)
+    ap.add_argument("--online-output-max", type=int, default=48)
+    ap.add_argument("--online-chunk", type=int, default=64, help="chunked variant's chunk size")
+    ap.add_argument("--online-budget-chunks", type=int, default=4,
+                    help="chunked variant's budget: max_num_seqs + this many chunks")
+    ap.add_argument("--max-prompt-len", type=int, default=None,
+                    help="truncate prompts to their last N tokens")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
+                    help="jaxbatch warm-up: every bucket (CPU default) or an untimed run of "
+                         "the same offline workload (GPU default)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--gpu-models", nargs="+", default=None,
+                    help="--device gpu: shapes from gpu_e2e.MODEL_SHAPES (1B 8B)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="--device gpu on CPU with a tiny random model and short prompts")
+    ap.add_argument("--xla-cache", default=None,
+                    help="persistent XLA compilation cache dir ('' disables; default "
+                         "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                    help="jaxbatch engines: int8 KV cache (scales per token and KV head)")
+    ap.add_argument("--quantization", choices=("int8",), default=None,
+                    help="jaxbatch engines: int8 weight-only layer matrices")
+    ap.add_argument("--out", default="bench_out")
+    add_price_argument(ap)
+    prefix_bench.add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
+    args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
+                           args.online_output_max)
+    args.warmup = args.warmup or ("workload" if args.device == "gpu" else "buckets")
+    args.engine_kwargs = {}
+    gpu = args.device == "gpu"
+    if args.dry_run:
+        if not gpu:
+            ap.error("--dry-run goes with --device gpu")
+        # Tiny everything: checks the GPU path's code on CPU, Pallas in interpret mode.
+        args.max_num_seqs = min(args.max_num_seqs or 4, 4)
+        args.num_requests = min(args.num_requests or 12, 12)
+        args.max_prompt_len = args.max_prompt_len or 40
+        args.lengths = (8, args.output_sigma, 2, 24)
+        args.engine_kwargs = {"attention_backend": "pallas_interpret"}
+    args.engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+    args.max_num_seqs = args.max_num_seqs or (64 if gpu else 16)
+    args.num_requests = args.num_requests or (4 * args.max_num_seqs if gpu else 32)
+    return args
+
+
+def run_cpu(args, report):
+    from jaxbatch.model.loader import load_model
+    entries = load_prompts(args.prompts)
+    kinds = [e["kind"] for e in entries]
+    loaded = load_model(dtype="float32")
+    prompts = encode_prompts(entries, loaded.tokenizer)
+    hf_model = None
+    if {"hf_generate", "hf_generate_batch"} & set(args.engines) and "offline" in args.workloads:
+        from jaxbatch.benchmarks.hf_baselines import load_hf_model
+        hf_model = load_hf_model(args.threads)
+    if "offline" in args.workloads:
+        requests = offline_requests(prompts, kinds, args.num_requests, args.lengths, args.seed,
+                                    args.max_prompt_len)
+        if hf_model is not None:
+            from jaxbatch.benchmarks.hf_baselines import warm_hf
+            warm_hf(hf_model, requests, args.max_num_seqs, args.engines)
+        report["offline"] = bench_offline(args, loaded, hf_model, requests)
+    if "online" in args.workloads:
+        requests = online_requests(prompts, kinds, args.online_short, args.online_long,
+                                   args.request_rate, args.online_lengths, args.seed,
+                                   args.max_prompt_len)
+        report["online"] = bench_online(args, loaded, requests)
+    if "prefix" in args.workloads:
+        args.slots, args.max_model_len = args.max_num_seqs, 2048
+        report["prefix"] = prefix_bench.bench_prefix(loaded, args)
+    floor = Path(args.out) / "decode_floor.json"
+    if floor.exists():      # written by `jaxbatch bench decode-floor`; shown among the targets
+        report["decode_floor"] = json.loads(floor.read_text())
+
+
+def main(argv=None, workloads=("offline", "online"), prog="jaxbatch bench throughput") -> dict:
+    args = parse_args(argv, workloads, prog)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info(), "xla_cache": enable_xla_cache(args.xla_cache),
+              "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"}}
+    start = time.perf_counter()
+    if args.device == "gpu":
+        from jaxbatch.benchmarks.throughput_gpu import bench_gpu
+        report["gpu"] = bench_gpu(args, load_prompts(args.prompts))
+    else:
+        run_cpu(args, report)
+    report["bench_seconds"] = time.perf_counter() - start
+    report["machine"]["loadavg_at_end"] = os.getloadavg()   # other jobs share this machine
+    report["price"] = resolve_price(args.price_per_hour, report["machine"])
+    report["targets"] = targets(report) if args.device == "cpu" else []
+    if args.device == "cpu":
+        from jaxbatch.benchmarks.throughput_plots import plot_all
+        report["plots"] = plot_all(report, out_dir)
+    else:
+        report["plots"] = []
+    write_json(out_dir / "bench.json", report, to_json)
+    print(f"\nwrote {out_dir / 'bench.json'} and {', '.join(report['plots']) or 'no plots'} "
+          f"in {report['bench_seconds']:.0f} s\n")
+    print(markdown(report))
+    return report
+
+
+def markdown(report) -> str:
+    parts, price = [], report["price"]
+    if "offline" in report:
+        ideal = report["offline"]["ideal"]
+        parts.append(f"Offline: {report['args']['num_requests']} requests, "
+                     f"{report['args']['max_num_seqs']} slots; ideal continuous/static ratio "
+                     f"{ideal['ideal_ratio']:.2f} ({ideal['static_steps']} vs "
+                     f"{ideal['continuous_steps']} decode steps)\n")
+        parts.append(engine_table(report["offline"]["summaries"], price))
+    if "online" in report:
+        parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
+        parts.append(online_table(report["online"], price))
+    for name, m in report.get("gpu", {}).get("models", {}).items():
+        parts.append(f"\nGPU {name} (bf16 random weights), copy bandwidth "
+                     f"{report['gpu']['copy_GBps']:.0f} GB/s, ideal ratio "
+                     f"{m['ideal']['ideal_ratio']:.2f}\n")
+        parts.append(engine_table(m["summaries"], price) + "\n")
+        parts.append(table(["engine", "MBU median", "MBU aggregate", "decode step ms"],
+                           [[b, fmt(s["mbu_median"], 2), fmt(s["mbu_aggregate"], 2),
+                             fmt(s["decode_step_ms_median"], 2)]
+                            for b, s in m["summaries"].items()]))
+    if "prefix" in report:
+        parts.append("\nPrefix caching\n")
+        parts.append(prefix_bench.markdown(report["prefix"], price))
+    if report.get("targets"):
+        parts.append("\nTargets\n")
+        parts.append(targets_table(report["targets"]))
+    parts.append("\n" + price_line(price))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

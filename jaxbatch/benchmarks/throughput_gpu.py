@@ -1,0 +1,75 @@
+"""The throughput benchmark on a GPU (`jaxbatch bench throughput --device gpu`): random-weight
+Llama shapes in bf16, token-id prompts, continuous vs static, and the model-bandwidth
+utilisation of each decode step: (weights read + KV read) / step time / copy bandwidth measured
+in the same run.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from jaxbatch.benchmarks.harness import (ideal_ratio, pow2_model_len, run_jaxbatch, step_stats,
+                                         summarize, warmed_engine)
+from jaxbatch.benchmarks.observer import KvReadMeter, observe
+from jaxbatch.benchmarks.workloads import offline_requests, synthetic_prompt_ids
+
+
+def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_bps) -> dict:
+    """MBU per decode-only step = (weights read + KV read) / step time / copy bandwidth.
+    Step time is the wall time of `engine.step()` (host work included)."""
+    per_step = meter_steps[-len(run.step_seconds):]
+    decode = [(kv, dt) for (kv, decode_only), dt in zip(per_step, run.step_seconds) if decode_only]
+    moved = [weight_bytes + kv * kv_token_bytes for kv, _ in decode]
+    seconds = [dt for _, dt in decode]
+    return {"decode_steps": len(decode),
+            "mbu_median": float(np.median(np.divide(moved, seconds))) / copy_bps if decode else None,
+            "mbu_aggregate": sum(moved) / sum(seconds) / copy_bps if decode else None,
+            "decode_step_ms_median": 1e3 * float(np.median(seconds)) if decode else None}
+
+
+def bench_gpu(args, entries) -> dict:
+    """Random-weight Llama shapes (bf16), token-id prompts, continuous vs static, MBU."""
+    import jax
+    from jaxbatch.benchmarks import random_models
+    from jaxbatch.worker.kv_cache import bytes_per_block
+    from jaxbatch.model.quantize import quantize_params
+    models = args.gpu_models or (["tiny"] if args.dry_run else ["1B", "8B"])
+    copy_bytes = (8 << 20) if args.dry_run else (1 << 30)
+    copy_bps = random_models.copy_bandwidth(copy_bytes)
+    out = {"copy_GBps": copy_bps / 1e9, "device": str(jax.devices()[0].device_kind), "models": {}}
+    for name in models:
+        loaded = random_models.random_model(name, "bfloat16", args.seed)
+        if args.quantization:               # quantized here so the MBU counts int8 bytes
+            loaded.params = quantize_params(loaded.params)
+        cfg = loaded.config
+        prompts = synthetic_prompt_ids(entries, cfg.vocab_size, args.seed)
+        requests = offline_requests(prompts, [e["kind"] for e in entries], args.num_requests,
+                                    args.lengths, args.seed, args.max_prompt_len)
+        weight_bytes = random_models.param_bytes(loaded.params)
+        if not cfg.tie_word_embeddings:     # an untied embedding table is only gathered
+            weight_bytes -= loaded.params["embed"].nbytes
+        kv_token_bytes = bytes_per_block(cfg, 1, loaded.params["embed"].dtype, args.kv_cache_dtype)
+        model_len = pow2_model_len(requests)
+        result = {"weight_bytes_read_per_step": weight_bytes, "max_model_len": model_len,
+                  "ideal": ideal_ratio([r.output_len for r in requests], args.max_num_seqs),
+                  "summaries": {}}
+        first = None
+        for batching in ("continuous", "static"):
+            engine = warmed_engine(loaded, batching, args.max_num_seqs, model_len, requests,
+                                   args.warmup, shared=first,
+                                   num_blocks=args.max_num_seqs * (model_len // 16) + 1,
+                                   **args.engine_kwargs)
+            with observe(engine, KvReadMeter()) as meter:
+                run = run_jaxbatch(engine, requests, f"{name} {batching}")
+            result["summaries"][batching] = {
+                **summarize(run), **step_stats(run, args.max_num_seqs), **run.info,
+                **bandwidth_utilisation(run, meter.per_step, weight_bytes, kv_token_bytes,
+                                        copy_bps)}
+            first = first or engine
+        del engine, first
+        gc.collect()                        # frees the KV pool before the next model
+        out["models"][name] = result
+        del loaded
+        gc.collect()
+    return out

@@ -1,0 +1,124 @@
+"""Benchmarks as a tool: `jaxbatch bench` lists and dispatches every benchmark, a missing one
+says so, no tool puts paths on sys.path, scripts/ holds only the GPU harness and setup tools,
+the cost per million output tokens is stated, and the step observers see what the engine did."""
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxbatch.benchmarks import machine, registry, report
+from jaxbatch.entrypoints import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.py",
+                "setup_vllm_cpu.sh", "export_safetensors.py"}
+# What README.md and docs/BENCHMARKS.md run, by name (issue 28: each runs from `jaxbatch bench`).
+NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "quant", "overlap",
+         "profile", "vs-vllm", "scaleout", "step-keys", "accuracy", "decode-floor", "detok",
+         "hostile")
+
+
+def test_help_lists_every_benchmark(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    assert cli.main(["bench"]) == 0
+    assert capsys.readouterr().out == listed
+    for name in NAMED:
+        assert re.search(rf"^  {re.escape(name)} ", listed, re.M), name
+    assert "cost per million output tokens" in listed
+
+
+def test_every_registered_module_has_main_or_is_reported_missing(capsys):
+    for name, (module, _) in registry.BENCHMARKS.items():
+        path = ROOT / "jaxbatch" / "benchmarks" / f"{module}.py"
+        if path.exists():
+            assert callable(importlib.import_module(f"jaxbatch.benchmarks.{module}").main), name
+        else:      # hostile.py comes from another branch: a clear message, no traceback
+            assert registry.main([name]) == 2
+            assert f"jaxbatch/benchmarks/{module}.py is missing" in capsys.readouterr().err
+
+
+def test_unknown_benchmark_is_a_usage_error(capsys):
+    assert cli.main(["bench", "no-such-bench"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'no-such-bench'" in err and "throughput" in err
+
+
+def test_dispatch_passes_the_arguments_on(tmp_path, capsys):
+    # The cheapest real benchmark: detokenization of a few tokens (tokenizer only, no model).
+    assert cli.main(["bench", "detok", "--tokens", "40", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "texts identical" in out and "over 40 tokens" in out
+
+
+def test_python_dash_m_jaxbatch_bench_lists_them():
+    proc = subprocess.run([sys.executable, "-m", "jaxbatch", "bench", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "decode-floor" in proc.stdout
+
+
+def test_listing_imports_no_jax():
+    # scaleout sets XLA_FLAGS (virtual devices) before JAX starts: the dispatcher must not
+    # have started it.
+    code = ("import sys; from jaxbatch.entrypoints.cli import main; main(['bench']); "
+            "print('JAX LOADED' if 'jax' in sys.modules else 'NO JAX')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("NO JAX"), proc.stderr
+
+
+def test_no_tool_edits_sys_path():
+    offenders = [str(p.relative_to(ROOT)) for d in ("scripts", "jaxbatch")
+                 for p in (ROOT / d).rglob("*.py") if "sys.path.insert" in p.read_text()]
+    assert offenders == []
+
+
+def test_scripts_holds_only_the_gpu_harness_and_setup_tools():
+    assert {p.name for p in (ROOT / "scripts").iterdir()} <= SCRIPTS_KEPT
+
+
+def test_bundled_data_is_package_data():
+    from jaxbatch.benchmarks import workloads
+    for path in (workloads.DEFAULT_PROMPTS, workloads.SYSTEM_PROMPT, workloads.ACCURACY_TEXT):
+        assert path.is_file(), path
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"jaxbatch.benchmarks" = ["data/*.json", "data/*.txt"]' in text
+
+
+def test_cost_per_million_output_tokens():
+    # $0.36/h at 100 tok/s: 360 000 tokens an hour, so $1 per million.
+    assert report.cost_per_million(100.0, 0.36) == pytest.approx(1.0)
+    assert report.cost_per_million(0.0, 0.36) is None
+    assert report.cost_per_million(100.0, None) is None
+    assert report.cost_cell(100.0, {"usd_per_hour": 0.36}) == "$1.000"
+    line = report.price_line({"usd_per_hour": 0.36, "source": "test"})
+    assert "$0.3600 per hour (test)" in line
+
+
+def test_default_price_is_stated_for_the_machine():
+    price, source = machine.default_price_per_hour({"cpu_model": "AMD EPYC", "cpu_count": 2})
+    assert price == pytest.approx(2 * 0.05796) and "m7a" in source and "2 vCPU" in source
+    price, source = machine.default_price_per_hour({"cpu_model": "Intel Xeon", "cpu_count": 4})
+    assert price == pytest.approx(4 * 0.0504) and "m7i" in source
+    price, source = machine.default_price_per_hour({"jax_backend": "gpu", "device": "H200"})
+    assert price is None and "--price-per-hour" in source and "H200" in source
+    given = machine.resolve_price(1.5, {"cpu_model": "AMD EPYC", "cpu_count": 2})
+    assert given == {"usd_per_hour": 1.5, "source": "--price-per-hour"}
+
+
+def test_price_flag_states_its_default_in_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "prefix", "--help"])
+    assert re.search(r"--price-per-hour.*default on this CPU: \$[0-9.]+/h", capsys.readouterr().out,
+                     re.S)
+
+
+def test_machine_info_names_the_cpu_and_the_device():
+    info = machine.machine_info()
+    assert info["cpu_count"] >= 1 and isinstance(info["cpu_flags"], list)
+    assert info["jax"] and info["jax_backend"] and info["device"]
