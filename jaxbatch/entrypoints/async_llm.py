@@ -214,12 +214,7 @@ class AsyncLLM:
         """Counts a request at the moment it arrives, before any templating or await, so a
         burst cannot slip past the cap while earlier requests are still being rendered. `cost`:
         the sequences it will run (prompts x n), each counted against the cap."""
-        if self.state == DEAD:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        if self.state == STARTING:
-            raise EngineUnavailableError("the server is starting: the model is loading", 5)
-        if self.state != READY:
-            raise EngineUnavailableError("the server is shutting down", 5)
+        self.check_admitting()
         cap = self.max_queued_requests
         if cap is not None and self._admitted + cost > cap:
             raise EngineUnavailableError(
@@ -227,6 +222,16 @@ class AsyncLLM:
                 f"adds {cost} (cap {cap})", 1)
         self._admitted += cost
         return Ticket(self, cost)
+
+    def check_admitting(self) -> None:
+        """Raises what admit() raises when the state (not the cap) says no: lets the HTTP layer
+        answer 503 before checks that need the engine (its max_model_len)."""
+        if self.state == DEAD:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        if self.state == STARTING:
+            raise EngineUnavailableError("the server is starting: the model is loading", 5)
+        if self.state != READY:
+            raise EngineUnavailableError("the server is shutting down", 5)
 
     def _release(self, cost: int = 1) -> None:
         self._admitted -= cost

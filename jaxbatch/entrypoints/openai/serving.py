@@ -156,6 +156,7 @@ class OpenAIServing:
     async def create_chat(self, req: P.ChatCompletionRequest):
         arrival = time.monotonic()
         self.check_model(req.model)
+        self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -233,6 +234,7 @@ class OpenAIServing:
     async def create_completion(self, req: P.CompletionRequest):
         arrival = time.monotonic()
         self.check_model(req.model)
+        self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         params = _checked_params(req, req.max_tokens, req.logprobs)
         count = self.pre.check_completion(req)
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n")
