@@ -292,13 +292,17 @@ def test_continue_final_message(server):
 
 
 # ---- 6. the smaller ones --------------------------------------------------------------------------------
-def test_reset_prefix_cache_needs_the_key_and_a_json_post(server):
+def test_reset_prefix_cache_needs_the_key_and_a_same_origin_post(server):
     url = server.base + "/reset_prefix_cache"
-    assert httpx.post(url, json={}, timeout=10).status_code == 401
-    assert httpx.post(url, content=b"", timeout=10, headers=AUTH).status_code == 415
-    assert httpx.post(url, data={"a": "b"}, timeout=10, headers=AUTH).status_code == 415
+    assert httpx.post(url, timeout=10).status_code == 401
     assert httpx.get(url, timeout=10, headers=AUTH).status_code == 405
-    assert httpx.post(url, json={}, timeout=10, headers=AUTH).status_code == 200
+    # What a foreign web page's form or fetch() would send (the browser adds the Origin).
+    r = httpx.post(url, data={"a": "b"}, timeout=10,
+                   headers={**AUTH, "Origin": "http://evil.example"})
+    assert_error(r, 403, None)
+    assert httpx.post(url, timeout=10, headers=AUTH).status_code == 200   # vLLM's: no body
+    host = f"127.0.0.1:{server.port}"
+    assert httpx.post(url, timeout=10, headers={**AUTH, "Origin": f"http://{host}"}).status_code == 200
 
 
 def test_num_requests_running_counts_requests_not_sequences(server):

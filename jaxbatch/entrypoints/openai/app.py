@@ -173,11 +173,13 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
 
     @v1.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw: Request):
-        """vLLM's: forget every cached prefix (e.g. after a benchmark's warm-up). Only with a
-        JSON content type: a web page can POST a form or text/plain to any URL without asking,
-        but not application/json (the browser's CORS preflight stops it)."""
-        if raw.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            raise APIError(415, "POST /reset_prefix_cache with Content-Type: application/json")
+        """vLLM's: forget every cached prefix (e.g. after a benchmark's warm-up). Body-less, as
+        vLLM's, so a web page could fire it cross-site without a CORS preflight: browsers
+        always name the page's Origin on such a POST, other clients send none, so a foreign
+        Origin is refused (a POST from a page served by this host itself is allowed)."""
+        origin = raw.headers.get("origin")
+        if origin is not None and origin.split("://", 1)[-1] != raw.headers.get("host"):
+            raise APIError(403, f"cross-origin POST /reset_prefix_cache refused (Origin {origin})")
         _require_ready()
         llm.reset_prefix_cache()
         return Response(status_code=200)

@@ -11,7 +11,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
                405: "MethodNotAllowed", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
