@@ -15,6 +15,8 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxbatch.spec_decode.speculative import SpeculativeConfig
+
 POLICIES = ("fcfs", "priority", "shortest_prompt_first")
 BATCHING_MODES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
@@ -28,6 +30,19 @@ def option(default, help: str, choices: tuple | None = None, positional: bool = 
     """A dataclass field carrying what a flag needs besides its name."""
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "positional": positional})
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= low (argparse's error then names the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
 def _json_object(text: str) -> dict:
@@ -136,6 +151,7 @@ class EngineConfig:
     def __post_init__(self):
         for name, value in self.as_kwargs().items():
             _check(name, value, OPTIONS[name])
+        SpeculativeConfig.from_dict(self.speculative.speculative_config)   # raises if invalid
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -192,7 +208,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if field.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.type.startswith("int"):
-            kwargs["type"] = int
+            kwargs["type"] = int_at_least(0 if name in NON_NEGATIVE else 1)
         elif field.type.startswith("dict"):
             kwargs["type"] = _json_object
         if meta["choices"] is not None:

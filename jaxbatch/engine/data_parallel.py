@@ -126,7 +126,8 @@ class DataParallelEngine(EngineBase):
         """Counts summed over the replicas; settings as replica 0's."""
         per = [r.stats() for r in self.replicas]
         total = dict(per[0])
-        for key in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
+        for key in ("num_running", "num_waiting", "num_running_requests",   # requests: server
+                    "num_waiting_requests", "num_free_blocks", "num_total_blocks",
                     "num_preemptions", "num_compilations", "num_compilations_after_warmup",
                     "num_steps", "compile_seconds", "max_num_seqs", "prefix_cache_queries",
                     "prefix_cache_hits", "spec_num_drafts", "spec_num_draft_tokens",

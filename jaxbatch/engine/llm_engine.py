@@ -290,9 +290,13 @@ class LLMEngine(EngineBase):
     def stats(self) -> dict:
         blocks = self.scheduler.blocks
         speculation = self.scheduler.speculation
+        # Requests, not sequences (n=8 is one request), for vllm:num_requests_*.
+        running = {s.request_id for s in self.scheduler.running}
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_running_requests": len(running),
+            "num_waiting_requests": len({s.request_id for s in self.scheduler.waiting} - running),
             "num_free_blocks": blocks.num_free_blocks,
             "num_total_blocks": blocks.num_total_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -104,15 +104,16 @@ class RequestStream:
 
 
 class Ticket:
-    """One admitted HTTP request, counted from the admission check until `release()`."""
+    """One admitted HTTP request, counted (as `cost` sequences: prompts x n) from the admission
+    check until `release()`."""
 
-    def __init__(self, llm: "AsyncLLM"):
-        self._llm, self._held = llm, True
+    def __init__(self, llm: "AsyncLLM", cost: int = 1):
+        self._llm, self._held, self.cost = llm, True, cost
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._llm._release()
+            self._llm._release(self.cost)
 
 
 class AsyncLLM:
@@ -140,6 +141,7 @@ class AsyncLLM:
         self._admitted = 0                     # loop only
         self._closing = False                  # loop only: no new add_request at all
         self._idle = asyncio.Event()
+        self._hurry = asyncio.Event()          # set by a second signal: abort the rest now
         self._ids = itertools.count()
         # Chat templating and tokenization: off the loop, one worker (HF fast tokenizers raise
         # "Already borrowed" when one instance is used from several threads at once).
@@ -169,9 +171,15 @@ class AsyncLLM:
         with self._cv:
             if self.state in (READY, STARTING):
                 self.state = DRAINING
-        try:
-            await asyncio.wait_for(self._wait_idle(), timeout=max(0.0, timeout))
-        except asyncio.TimeoutError:
+        idle = asyncio.ensure_future(self._wait_idle())
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        await asyncio.wait({idle, hurry}, timeout=max(0.0, timeout),
+                           return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not idle.done():
+            idle.cancel()
+            # Aborted, not dropped: each request's final output still reaches its handler, so
+            # every stream ends with its last chunk and [DONE], every other request with a 503.
             self._closing = True               # admitted requests still templating: refused
             for rid in list(self._mailboxes):
                 self.abort(rid)
@@ -179,6 +187,10 @@ class AsyncLLM:
                 await asyncio.wait_for(self._wait_idle(), timeout=10.0)
             except asyncio.TimeoutError:
                 pass
+
+    def hurry(self) -> None:
+        """Cut a drain short (a second SIGTERM / SIGINT): abort what is still running now."""
+        self._hurry.set()
 
     async def _wait_idle(self) -> None:
         while self._admitted or self._mailboxes:
@@ -198,24 +210,31 @@ class AsyncLLM:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- admission (HTTP layer) -----------------------------------------------------------
-    def admit(self) -> Ticket:
+    def admit(self, cost: int = 1) -> Ticket:
         """Counts a request at the moment it arrives, before any templating or await, so a
-        burst cannot slip past the cap while earlier requests are still being rendered."""
+        burst cannot slip past the cap while earlier requests are still being rendered. `cost`:
+        the sequences it will run (prompts x n), each counted against the cap."""
+        self.check_admitting()
+        cap = self.max_queued_requests
+        if cap is not None and self._admitted + cost > cap:
+            raise EngineUnavailableError(
+                f"too many requests: {self._admitted} sequences waiting or running, this one "
+                f"adds {cost} (cap {cap})", 1)
+        self._admitted += cost
+        return Ticket(self, cost)
+
+    def check_admitting(self) -> None:
+        """Raises what admit() raises when the state (not the cap) says no: lets the HTTP layer
+        answer 503 before checks that need the engine (its max_model_len)."""
         if self.state == DEAD:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self.state == STARTING:
             raise EngineUnavailableError("the server is starting: the model is loading", 5)
         if self.state != READY:
             raise EngineUnavailableError("the server is shutting down", 5)
-        cap = self.max_queued_requests
-        if cap is not None and self._admitted >= cap:
-            raise EngineUnavailableError(
-                f"too many requests: {self._admitted} waiting or running (cap {cap})", 1)
-        self._admitted += 1
-        return Ticket(self)
 
-    def _release(self) -> None:
-        self._admitted -= 1
+    def _release(self, cost: int = 1) -> None:
+        self._admitted -= cost
         if not self._admitted:
             self._idle.set()
 

@@ -15,10 +15,21 @@ import sys
 
 import uvicorn
 
-from jaxbatch.engine.config import EngineConfig, add_engine_flags, engine_kwargs_from_args
+from jaxbatch.engine.config import (EngineConfig, add_engine_flags, engine_kwargs_from_args,
+                                    int_at_least)
 
 # The embedded model's name (jaxbatch.model.loader.DEFAULT_MODEL; not imported: that pulls JAX).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _port(text: str) -> int:
+    value = int_at_least(0)(text)
+    if value > 65535:   # uvicorn would listen on value % 65536 and log the value given
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
+    return value
+
+
+_positive = int_at_least(1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,11 +39,25 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_flags(s)      # every engine option, from jaxbatch/engine/config.py
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None,
                    help="the name /v1/models lists and requests use (default: MODEL as given)")
-    s.add_argument("--max-num-queued-reqs", type=int, default=None,
-                   help="answer 503 + Retry-After once this many requests are waiting or running")
+    s.add_argument("--max-num-queued-reqs", type=_positive, default=None,
+                   help="answer 503 + Retry-After once this many sequences (prompts x n) are "
+                        "waiting or running")
+    s.add_argument("--max-prompts-per-request", type=_positive, default=128,
+                   help="prompts one /v1/completions request may list")
+    s.add_argument("--max-request-body-bytes", type=_positive, default=4 << 20,
+                   help="413 for a larger request body, checked while it is read")
+    s.add_argument("--max-concurrent-requests", type=_positive, default=None,
+                   help="503 beyond this many requests in flight (/health, /metrics exempt)")
+    s.add_argument("--timeout-header-read", type=float, default=10.0,
+                   help="close a connection that takes longer to send a request's headers")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="close a keep-alive connection idle this long")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow chat_template in requests (rendered in a killable subprocess "
+                        "with time, size and memory limits); refused with 400 otherwise")
     s.add_argument("--api-key", default=os.environ.get("JAXBATCH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (env JAXBATCH_API_KEY)")
     s.add_argument("--shutdown-timeout", type=float, default=0.0,
@@ -72,9 +97,16 @@ def serve(args) -> int:
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
     app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
                     api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
-                    on_engine_dead=on_engine_dead)
+                    on_engine_dead=on_engine_dead,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    max_concurrent_requests=args.max_concurrent_requests)
+    _raise_fd_limit()
+    from jaxbatch.entrypoints.openai.connections import guarded_protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
+                            http=guarded_protocol(args.timeout_header_read))
     server = DrainingServer(config, app.state.llm, args.shutdown_timeout)
     server.run()
     engine = app.state.llm.engine
@@ -84,6 +116,15 @@ def serve(args) -> int:
         print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _raise_fd_limit() -> None:
+    """Soft file-descriptor limit up to the hard one: idle sockets must not be what makes
+    /health unreachable (the header and keep-alive timeouts then bound how long they stay)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def follow(model, kwargs) -> int:
@@ -97,27 +138,31 @@ def follow(model, kwargs) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM drains instead of closing the port: /health and new
-    requests get 503, in-flight requests finish for up to `shutdown_timeout` seconds, the rest
-    are aborted; then uvicorn's usual shutdown, and the process exits 0. A second signal (or
-    SIGINT) falls back to uvicorn's immediate shutdown."""
+    """uvicorn.Server whose first SIGTERM or SIGINT drains instead of closing the port: /health
+    and new requests get 503, in-flight requests finish for up to `shutdown_timeout` seconds,
+    the rest are aborted; then uvicorn's usual shutdown, and the process exits 0. A second
+    signal cuts the drain short: everything still running is aborted at once, but through the
+    engine, so every stream still gets its final chunk and [DONE] (and every other request a
+    503), and the exit is still 0. Only a third signal is uvicorn's immediate exit."""
 
     def __init__(self, config, llm, shutdown_timeout: float):
         super().__init__(config)
         self.llm, self.shutdown_timeout = llm, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        if sig == signal.SIGTERM and not self._draining and self._loop is not None:
+        if sig in (signal.SIGTERM, signal.SIGINT) and self._loop is not None \
+                and self._signals < 2:
             # We are in a signal handler (main thread, between two bytecodes): only schedule.
             # Not recorded in uvicorn's captured signals, so it is not re-raised at exit: exit 0.
-            self._draining = True
-            self._loop.call_soon_threadsafe(self._start_drain)
+            self._signals += 1
+            self._loop.call_soon_threadsafe(
+                self._start_drain if self._signals == 1 else self.llm.hurry)
             return
         super().handle_exit(sig, frame)
 

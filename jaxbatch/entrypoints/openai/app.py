@@ -6,12 +6,16 @@ or missing --api-key 401, an unknown model or route 404, and "not now" (starting
 queue cap) 503 with Retry-After.
 
 Lifecycle: the lifespan starts the AsyncLLM, whose engine thread loads the weights while
-uvicorn already listens (/health answers 503 until the engine is ready and warm). SIGTERM is
-turned into `drain` by cli.py: /health and new requests get 503, admitted requests finish for
-up to --shutdown-timeout seconds, the rest are aborted, and the process exits 0.
+uvicorn already listens (/health answers 503 until the engine is ready and warm). SIGTERM or
+SIGINT is turned into `drain` by cli.py: /health and new requests get 503, admitted requests
+finish for up to --shutdown-timeout seconds, the rest are aborted, and the process exits 0.
+/health is also 503 while a tokenizer worker is stuck (tokenizer_pool.py).
+
+Guards, outermost first: ConcurrencyGuard (probes exempt), the API key, BodyLimit (guards.py).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import secrets
@@ -24,21 +28,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.async_llm import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
+from jaxbatch.entrypoints.openai.errors import APIError, error_response
+from jaxbatch.entrypoints.openai.guards import BodyLimit, ConcurrencyGuard
 from jaxbatch.entrypoints.openai.metrics import ServerMetrics
-from jaxbatch.entrypoints.openai.serving import APIError, OpenAIServing, with_cancellation
+from jaxbatch.entrypoints.openai.preprocess import DEFAULT_MAX_PROMPTS_PER_REQUEST, Preprocessor
+from jaxbatch.entrypoints.openai.serving import OpenAIServing, with_cancellation
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorInfo(message=message, param=param, code=status,
-                                             type=ERROR_TYPES.get(status, "Error")))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# /reset_prefix_cache changes server state: it needs the key like every /v1 route.
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 class _APIKeyMiddleware:
@@ -68,22 +66,36 @@ def _version() -> str:
 
 def build_app(engine_factory, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None, max_queued_requests: int | None = None,
-              on_engine_dead=None) -> FastAPI:
+              on_engine_dead=None, trust_request_chat_template: bool = False,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_concurrent_requests: int | None = None) -> FastAPI:
     """`engine_factory()` builds the LLMEngine on the engine thread (after the port is bound).
     `on_engine_dead(exc)` is called on the event loop if the engine thread dies."""
     metrics = ServerMetrics(served_model_name)
     llm = AsyncLLM(engine_factory, max_queued_requests=max_queued_requests, metrics=metrics,
                    on_dead=on_engine_dead)
-    serving = OpenAIServing(llm, served_model_name)
+    pre = Preprocessor(llm, trust_request_chat_template=trust_request_chat_template,
+                       max_prompts_per_request=max_prompts_per_request)
+    serving = OpenAIServing(llm, served_model_name, pre)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         llm.start()        # returns at once: loading happens on the engine thread
+
+        async def start_pool():   # tokenizer copies made before the first request needs them
+            with contextlib.suppress(Exception):
+                await llm.wait_ready()
+                await pre.start()
+        warm = asyncio.ensure_future(start_pool())
         yield
+        warm.cancel()
         await llm.shutdown()
+        pre.close()
 
     app = FastAPI(title="jaxbatch", version=_version(), lifespan=lifespan)
     app.state.llm, app.state.metrics, app.state.serving = llm, metrics, serving
+    app.state.pre = pre
 
     # ---- errors ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -97,6 +109,8 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "extra_forbidden" and loc:
+            return error_response(400, f"'{loc[-1]}' is not supported by this server", loc[0])
         message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
                             f"{e.get('msg')}" for e in errors[:5]) or "invalid request"
         return error_response(400, message, loc[0] if loc else None)
@@ -120,8 +134,12 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
     # ---- authentication: every /v1 route and tokenize/detokenize, as vLLM does ---------------
     # Checked in ASGI middleware, before routing reads the body: a request without the key
     # gets 401 whatever its body holds (a dependency would answer malformed JSON with 400).
+    # Starlette wraps the last added outermost: concurrency guard, then the key, then the body.
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if api_key is not None:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    if max_concurrent_requests is not None:
+        app.add_middleware(ConcurrencyGuard, limit=max_concurrent_requests)
     v1 = APIRouter()
 
     @v1.post("/v1/chat/completions")
@@ -154,42 +172,63 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
             raise EngineDeadError(f"the engine has stopped: {llm.error!r}")
 
     @v1.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        """vLLM's: forget every cached prefix (e.g. after a benchmark's warm-up)."""
+    async def reset_prefix_cache(raw: Request):
+        """vLLM's: forget every cached prefix (e.g. after a benchmark's warm-up). Body-less, as
+        vLLM's, so a web page could fire it cross-site without a CORS preflight: browsers
+        always name the page's Origin on such a POST, other clients send none, so a foreign
+        Origin is refused (a POST from a page served by this host itself is allowed)."""
+        origin = raw.headers.get("origin")
+        if origin is not None and origin.split("://", 1)[-1] != raw.headers.get("host"):
+            raise APIError(403, f"cross-origin POST /reset_prefix_cache refused (Origin {origin})")
         _require_ready()
         llm.reset_prefix_cache()
         return Response(status_code=200)
+
+    def _check_fields(req):
+        bad = P.check_fields(req)
+        if bad:
+            raise APIError(400, bad[1], bad[0])
 
     @v1.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest):
         _require_ready()
         serving.check_model(req.model)
+        _check_fields(req)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
             chat = P.ChatCompletionRequest(messages=req.messages,
                                            add_generation_prompt=req.add_generation_prompt)
-            ids = await llm.run_in_pool(serving.render_chat, chat)
+            bad = chat.unsupported()
+            if bad:
+                raise APIError(400, bad[1], bad[0])
+            ids = await pre.chat_ids(chat)
         else:
-            ids = await llm.run_in_pool(lambda: list(llm.tokenizer(
-                req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]))
+            ids = await pre.tokenize_text(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
 
     @v1.post("/detokenize")
     async def detokenize(req: P.DetokenizeRequest):
         _require_ready()
         serving.check_model(req.model)
+        _check_fields(req)
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
         vocab = llm.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": await llm.run_in_pool(llm.tokenizer.decode, req.tokens)}
+        return {"prompt": await pre.detokenize(req.tokens)}
 
     app.include_router(v1)
 
     # ---- unauthenticated: probes and scrapes --------------------------------------------------
     @app.get("/health")
     async def health():
+        stuck = pre.pool.stuck()
+        if llm.state == READY and stuck:
+            return error_response(503, f"{stuck} tokenizer worker(s) stuck on abandoned work",
+                                  None, {"Retry-After": "5"})
         if llm.state == READY:
             return Response(status_code=200)
         why = {"starting": "the engine is starting", "draining": "the server is draining",

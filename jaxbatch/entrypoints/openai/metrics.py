@@ -84,8 +84,10 @@ class ServerMetrics:
         """One engine iteration: `outputs` from `LLMEngine.step()`, `stats` from `stats()`."""
         for out in outputs:
             self._record_output(out, now)
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
+        # vLLM counts requests: an n=8 request is 1 running, not 8 (sequences as a fallback
+        # for an engine whose stats() has no request counts).
+        self.running.set(stats.get("num_running_requests", stats["num_running"]))
+        self.waiting.set(stats.get("num_waiting_requests", stats["num_waiting"]))
         total = stats["num_total_blocks"]
         self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
         self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))

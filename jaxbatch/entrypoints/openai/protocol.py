@@ -2,9 +2,12 @@
 
 Requests are validated by FastAPI against these models before a handler runs; a body that does
 not fit (malformed JSON, a missing field, a wrong type) becomes a 400 with the OpenAI error body
-(see app.py). Unknown fields are ignored, as OpenAI and vLLM ignore them. Value checks that the
-engine already owns (temperature >= 0, top_p in (0, 1], ...) stay in SamplingParams, so the
-offline API and the server reject the same things with the same messages.
+(see app.py). Types are strict: "5" or true where a number is meant, "yes" for a bool, are
+refused rather than coerced. Every field is honoured or refused: a field this server does not
+implement is a 400 naming it (`check_fields`), never silently dropped; only OpenAI's metadata
+fields are accepted without effect. Value checks that the engine already owns (temperature >= 0,
+top_p in (0, 1], ...) stay in SamplingParams, so the offline API and the server reject the same
+things with the same messages.
 """
 from __future__ import annotations
 
@@ -18,6 +21,45 @@ from jaxbatch.sampling_params import SamplingParams
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Request(BaseModel):
+    """Request bodies: strict types; unknown keys are kept (`model_extra`) so `check_fields` can
+    name them in its 400."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# ---- refused fields: THE ONE PLACE for structured outputs and tools --------------------------
+# Structured outputs and tool calling are being built on another branch; until they merge these
+# request fields are refused with 400 "not supported". The merge replaces this block (and the
+# two message-level sets after it) and nothing else.
+STRUCTURED_OUTPUT_FIELDS = {
+    name: "structured outputs and tool calling are not supported by this server yet"
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "guided_whitespace_pattern", "tools", "tool_choice", "functions",
+                 "function_call", "parallel_tool_calls")}
+TOOL_MESSAGE_FIELDS = {"tool_calls", "tool_call_id", "function_call"}   # in a chat message
+TOOL_ROLES = {"tool", "function"}
+# ---- end of the structured-outputs block -------------------------------------------------------
+
+# OpenAI's metadata: accepted, and nothing for the engine to honour.
+METADATA_FIELDS = {"user", "metadata", "store", "service_tier"}
+# Bounds checked before any work (the engine's stop-string scan is per token and per string).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+# The seeds the engine honours: it keys each sequence's noise from a 32-bit seed.
+SEED_RANGE = (0, 2 ** 32)
+
+
+def check_fields(req: "_Request") -> tuple[str, str] | None:
+    """(param, message) for the first field this server does not implement, or None."""
+    for name in (req.model_extra or {}):
+        if name in STRUCTURED_OUTPUT_FIELDS:
+            return name, f"'{name}': {STRUCTURED_OUTPUT_FIELDS[name]}"
+        if name not in METADATA_FIELDS:
+            return name, f"'{name}' is not supported by this server"
+    return None
 
 
 def _drop_none(handler, obj, keys: tuple[str, ...]):
@@ -41,11 +83,11 @@ class ErrorResponse(_Model):
 
 
 # ---- requests ------------------------------------------------------------------------------
-class StreamOptions(_Model):
+class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
-class _SamplingRequest(_Model):
+class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     # OpenAI's own cap: one request must not hold the whole engine for minutes.
@@ -70,11 +112,34 @@ class _SamplingRequest(_Model):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None      # prefix caching: only equal salts share cached blocks
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a field we accept syntactically but cannot honour."""
+        """(param, message) for a field we accept syntactically but cannot honour, or a bound
+        checked here because it guards work done before SamplingParams exists."""
+        bad = check_fields(self)
+        if bad:
+            return bad
+        if self.stream_options is not None:
+            bad = check_fields(self.stream_options)
+            if bad:
+                return "stream_options", bad[1]
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        lo, hi = SEED_RANGE
+        if self.seed is not None and not lo <= self.seed < hi:
+            return "seed", (f"seed must be in [0, 2**32): the engine honours 32-bit seeds, so "
+                            f"{self.seed} would not be honoured as given")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            return "stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})"
+        if sum(len(x) for x in stops) > MAX_STOP_CHARS:
+            return "stop", f"stop strings may total at most {MAX_STOP_CHARS} characters"
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            return "truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= 1"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is only returned without stream=true"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -88,6 +153,7 @@ class _SamplingRequest(_Model):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
 
     @property
@@ -113,13 +179,13 @@ class CompletionRequest(_SamplingRequest):
         return super().unsupported()
 
 
-class ContentPart(_Model):
+class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Model):
-    role: str
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -132,17 +198,47 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None   # vLLM's; refused unless --trust-request-chat-template
+    continue_final_message: bool = False
 
     def unsupported(self):
-        if self.tools:
-            return "tools", "tool calling is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         for m in self.messages:
-            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
-                return "messages", "only text content parts are supported"
+            if m.role in TOOL_ROLES:
+                return "messages", f"role '{m.role}': {STRUCTURED_OUTPUT_FIELDS['tools']}"
+            for name in (m.model_extra or {}):
+                why = (STRUCTURED_OUTPUT_FIELDS["tools"] if name in TOOL_MESSAGE_FIELDS
+                       else "is not supported by this server")
+                return "messages", f"message field '{name}': {why}"
+            if isinstance(m.content, list):
+                if any(p.type != "text" for p in m.content):
+                    return "messages", "only text content parts are supported"
+                for part in m.content:
+                    for name in (part.model_extra or {}):
+                        return "messages", f"content part field '{name}' is not supported"
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                return "continue_final_message", ("continue_final_message needs "
+                                                  "add_generation_prompt=false")
+            if self.messages[-1].role != "assistant":
+                return "continue_final_message", ("continue_final_message needs an assistant "
+                                                  "message last")
         return super().unsupported()
+
+    @property
+    def template(self) -> str | None:
+        """A request-supplied chat template, in either place vLLM accepts one."""
+        return self.chat_template or (self.chat_template_kwargs or {}).get("chat_template")
+
+    def template_kwargs(self) -> dict:
+        kw = dict(self.chat_template_kwargs or {})
+        kw.pop("chat_template", None)
+        return kw
+
+    def content_chars(self) -> int:
+        return sum(len(m.content) if isinstance(m.content, str)
+                   else sum(len(p.text or "") for p in m.content or ()) for m in self.messages)
 
     def conversation(self) -> list[dict]:
         """Messages as the chat template wants them: content flattened to a string."""
@@ -155,7 +251,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -163,7 +259,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -199,6 +295,11 @@ class CompletionChoice(_Model):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("prompt_logprobs",))
 
 
 class CompletionResponse(_Model):
@@ -248,6 +349,11 @@ class ChatCompletionResponse(_Model):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None   # vLLM's place
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("prompt_logprobs",))
 
 
 class DeltaMessage(_Model):

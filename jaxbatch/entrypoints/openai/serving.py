@@ -2,40 +2,36 @@
 
 A request's path through `OpenAIServing.create_*` (all on the event loop unless noted):
 
- 1. `admit()`       counted against --max-num-queued-reqs at once, before any await (503 if full,
-                    starting or draining). The ticket is released when the response is done.
- 2. checks          unsupported fields, SamplingParams (400 with the field named).
- 3. render          chat template + tokenization in AsyncLLM's worker thread; too long -> 400.
+ 1. checks          unsupported fields, SamplingParams, caps that need no tokenizer (prompt
+                    count, characters, request templates): 400 with the field named.
+ 2. `admit(cost)`   prompts x n counted against --max-num-queued-reqs at once, before any await
+                    (503 if full, starting or draining). Released when the response is done.
+ 3. render          chat template + tokenization on the TokenizerPool (preprocess.py).
  4. add_request     the engine thread validates and queues it; a rejection -> 400.
                     Up to here nothing has been sent, so every error is a proper HTTP error.
  5. respond         stream: an SSE response whose generator turns cumulative outputs into
                     deltas; non-stream: wait for the final output, racing the client's disconnect.
     Leaving early (client gone, cancelled) aborts the request in the engine (`finally`).
+
+The engine's finish reasons are "stop", "length" and "abort"; only OpenAI's reach the wire. An
+abort the client did not cause (the drain's deadline, a second SIGTERM/SIGINT) is a 503 for a
+non-streaming request, never a 200 with partial text; a stream ends its open choices with
+finish_reason "length" (cut before its natural end), then an error event, then [DONE].
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 import time
 import uuid
 
-from fastapi import Request
-from starlette.responses import StreamingResponse
-
-from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from jaxbatch.entrypoints.openai import protocol as P
+from jaxbatch.entrypoints.openai.errors import APIError
+from jaxbatch.entrypoints.openai.preprocess import Preprocessor
+from jaxbatch.entrypoints.openai.streams import SSEResponse, merge, sse, with_cancellation  # noqa: F401
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
-
-
-class APIError(Exception):
-    """Answered as {"error": {...}} with this status (see app.py)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
+CUT = "the server is shutting down: this request was aborted before it finished"
 
 
 def _checked_params(req, max_tokens, logprobs):
@@ -55,86 +51,24 @@ def _params_error(e: ValueError, param: str | None = None) -> APIError:
     return APIError(400, str(e), m.group(1) if m else param)
 
 
-def sse(model: P._Model | dict) -> str:
-    body = model.model_dump_json() if isinstance(model, P._Model) else json.dumps(model)
-    return f"data: {body}\n\n"
+def wire_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason values only: an abort cut the output short, as a limit does."""
+    return "length" if reason == "abort" else reason
 
 
-class SSEResponse(StreamingResponse):
-    """text/event-stream that always closes its generator, so the generator's `finally`
-    (abort + ticket release) runs at once however the response ends: done, client gone
-    (Starlette cancels the send loop), or server shutdown."""
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
+def _check_not_cut(outputs) -> None:
+    if any(c.finish_reason == "abort" for c in outputs):
+        raise APIError(503, CUT, None, {"Retry-After": "5"})
 
 
-async def with_cancellation(request: Request, coro):
-    """Runs `coro`, cancelling it if the client disconnects first (vLLM's `with_cancellation`):
-    Starlette notices a disconnect only while it streams, so a non-streaming request would
-    otherwise generate to max_tokens and hold its KV blocks for nobody. Returns None if the
-    client left."""
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, watch):
-            if not task.done():
-                task.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    return None
-
-
-async def merge(streams):
-    """(k, output) from several RequestStreams (a completions request with several prompts).
-    Like the mailboxes, it keeps only each stream's newest (cumulative) output, so a slow
-    client never makes outputs pile up here either."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    latest: dict = {}
-    wake = asyncio.Event()
-
-    async def pump(k, stream):
-        try:
-            async for out in stream:
-                latest[k] = out
-                wake.set()
-        except Exception as e:   # noqa: BLE001 - handed to the consumer
-            latest[k] = e
-            wake.set()
-
-    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            await wake.wait()
-            wake.clear()
-            items = sorted(latest.items(), key=lambda kv: kv[0])
-            latest.clear()
-            for k, item in items:
-                if isinstance(item, Exception):
-                    raise item
-                left -= item.finished
-                yield k, item
-    finally:
-        for t in tasks:
-            t.cancel()
+def _cut_event() -> str:
+    return sse(P.ErrorResponse(error=P.ErrorInfo(message=CUT, type="ServiceUnavailableError",
+                                                 code=503)))
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str):
-        self.llm, self.model_name = llm, served_model_name
+    def __init__(self, llm: AsyncLLM, served_model_name: str, pre: Preprocessor):
+        self.llm, self.model_name, self.pre = llm, served_model_name, pre
         self._token_strings: dict[int, str] = {}
 
     # ---- shared steps ----------------------------------------------------------------------
@@ -158,36 +92,6 @@ class OpenAIServing:
         if s is None:
             s = self._token_strings[token_id] = self.llm.tokenizer.decode([token_id])
         return s
-
-    def render_chat(self, req: P.ChatCompletionRequest) -> list[int]:
-        """Runs in the worker thread. The same call as LLM.chat, so the tokens are the same."""
-        tok = self.llm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template", "messages")
-        try:
-            p = tok.apply_chat_template(req.conversation(), tokenize=True, return_dict=False,
-                                        add_generation_prompt=req.add_generation_prompt,
-                                        **(req.chat_template_kwargs or {}))
-        except Exception as e:   # noqa: BLE001 - a template that rejects these messages
-            raise APIError(400, f"chat template failed: {e}", "messages") from None
-        return list(p["input_ids"]) if hasattr(p, "keys") else list(p)
-
-    def render_prompts(self, prompt) -> list[list[int]]:
-        """Runs in the worker thread: the completions `prompt` field as token-id lists."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt")
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                if self.llm.tokenizer is None:
-                    raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-                p = self.llm.tokenizer(p)["input_ids"]
-            out.append(list(p))
-        return out
 
     async def _start(self, prefix, prompts, params, priority, param, arrival):
         """Step 4: one engine request per prompt; all or nothing. `arrival`: when the HTTP
@@ -232,18 +136,36 @@ class OpenAIServing:
             offset += len(s)
         return lp
 
+    def _prompt_logprobs(self, out) -> list | None:
+        """vLLM's shape: per prompt position None (the first) or {token id: {logprob, token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if lps is None else
+                {str(t): {"logprob": max(v, MIN_LOGPROB), "decoded_token": self._token_str(t)}
+                 for t, v in lps.items()} for lps in out.prompt_logprobs]
+
+    def _admit(self, cost: int, param: str):
+        cap = self.llm.max_queued_requests
+        if cap is not None and cost > cap:
+            raise APIError(400, f"this request asks for {cost} sequences (prompts x n), more "
+                                f"than the server ever queues (--max-num-queued-reqs={cap})",
+                           param)
+        return self.llm.admit(cost)
+
     # ---- chat --------------------------------------------------------------------------------
     async def create_chat(self, req: P.ChatCompletionRequest):
         arrival = time.monotonic()
         self.check_model(req.model)
-        ticket = self.llm.admit()
+        self.llm.check_admitting()       # 503 while starting: the checks below need the engine
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = _checked_params(req, max_tokens, k)
+        self.pre.check_chat(req)
+        ticket = self._admit(req.n, "n")
         handed_off = False
         try:
-            k = (req.top_logprobs or 0) if req.logprobs else None
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-                else req.max_tokens
-            params = _checked_params(req, max_tokens, k)
-            ids = await self.llm.run_in_pool(self.render_chat, req)
+            ids = await self.pre.chat_ids(req)
             rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
                                              "messages", arrival)
             if req.stream:
@@ -261,20 +183,22 @@ class OpenAIServing:
                 final = out
         finally:
             stream.abort()
+        _check_not_cut(final.outputs)
         choices = [P.ChatChoice(
             index=c.index, message=P.ChatMessageOut(content=c.text),
             logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                        usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens))
+                                        usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens),
+                                        prompt_logprobs=self._prompt_logprobs(final))
 
     async def _chat_stream(self, req, rid, stream, n_prompt, ticket):
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
                                                      model=self.model_name, choices=[choice])
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
-        cached = 0
+        cached, cut = 0, False
         try:
             for i in range(n):   # OpenAI opens every choice with the role
                 yield sse(chunk(P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))))
@@ -288,9 +212,13 @@ class OpenAIServing:
                         continue
                     lp = self._chat_logprobs(c, sent_tok[i], k) if req.logprobs else None
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                    cut |= c.finish_reason == "abort"
                     yield sse(chunk(P.ChatStreamChoice(
                         index=i, delta=P.DeltaMessage(content=delta or (None if fin else "")),
-                        logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                        logprobs=lp, finish_reason=wire_reason(c.finish_reason),
+                        stop_reason=c.stop_reason)))
+            if cut:
+                yield _cut_event()
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), cached)
                 yield sse(P.ChatCompletionChunk(id=rid, created=created, model=self.model_name,
@@ -306,11 +234,13 @@ class OpenAIServing:
     async def create_completion(self, req: P.CompletionRequest):
         arrival = time.monotonic()
         self.check_model(req.model)
-        ticket = self.llm.admit()
+        self.llm.check_admitting()       # 503 while starting: the checks below need the engine
+        params = _checked_params(req, req.max_tokens, req.logprobs)
+        count = self.pre.check_completion(req)
+        ticket = self._admit(count * req.n, "prompt" if count > 1 else "n")
         handed_off = False
         try:
-            params = _checked_params(req, req.max_tokens, req.logprobs)
-            prompts = await self.llm.run_in_pool(self.render_prompts, req.prompt)
+            prompts = await self.pre.completion_ids(req)
             rid, streams = await self._start("cmpl", prompts, params, req.priority, "prompt",
                                              arrival)
             n_prompt = sum(len(p) for p in prompts)
@@ -330,10 +260,12 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.abort()
+        _check_not_cut([c for out in finals.values() for c in out.outputs])
         choices = [P.CompletionChoice(
             index=k * req.n + c.index, text=c.text,
             logprobs=self._completion_logprobs(c, 0, 0) if req.logprobs is not None else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(finals[k]) if c.index == 0 else None)
             for k in sorted(finals) for c in finals[k].outputs]
         n_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in finals.values())
@@ -344,6 +276,7 @@ class OpenAIServing:
         created, total = int(time.time()), len(streams) * req.n
         sent_text, sent_tok, done = [""] * total, [0] * total, [False] * total
         cached: dict[int, int] = {}
+        cut = False
         try:
             async for k, out in merge(streams):
                 cached[k] = out.num_cached_tokens
@@ -357,11 +290,14 @@ class OpenAIServing:
                     if req.logprobs is not None:
                         lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]))
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                    cut |= c.finish_reason == "abort"
                     yield sse(P.CompletionResponse(
                         id=rid, created=created, model=self.model_name,
                         choices=[P.CompletionChoice(index=i, text=delta, logprobs=lp,
-                                                    finish_reason=c.finish_reason,
+                                                    finish_reason=wire_reason(c.finish_reason),
                                                     stop_reason=c.stop_reason)]))
+            if cut:
+                yield _cut_event()
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), sum(cached.values()))
                 yield sse(P.CompletionResponse(id=rid, created=created, model=self.model_name,
