@@ -23,7 +23,7 @@ from jaxbatch.core.config import SchedulerConfig, next_power_of_two
 from jaxbatch.spec_decode.draft_model import DraftModelProposer
 from jaxbatch.worker.kv_cache import blocks_for_budget, check_kv_cache_dtype
 from jaxbatch.model.config import ModelConfig
-from jaxbatch.model import llama
+from jaxbatch.model import llama, precision
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import check_quantization, params_are_quantized, quantize_params
 from jaxbatch.outputs import RequestOutput
@@ -400,8 +400,10 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
-            # "int8", or the model dtype the "auto" cache stores
-            "kv_cache_dtype": str(self.runner.pool[0].dtype),
+            # What dtype="auto" chose (model/precision.py); the embedding's, as layer matrices may be int8.
+            "dtype": str(self.runner.params["embed"].dtype),
+            # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
+            "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
             "enable_prefix_caching": self.config.enable_prefix_caching,
