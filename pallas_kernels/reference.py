@@ -18,6 +18,25 @@ import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
+# A bf16 pool on CPU is stored as its bit patterns (issue 27): XLA:CPU has no bf16 scatter or
+# gather and converts their whole operand (the pool, every layer) to float32 around each one.
+# Integer ones are native. The policy lives in jaxbatch/model/precision.py (kv_pool_dtype).
+BF16_BITS = jnp.uint16
+
+
+def to_pool_dtype(x, pages_dtype):
+    """Values -> what a pool of `pages_dtype` stores (bf16's bits for a uint16 pool)."""
+    if pages_dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(pages_dtype)
+
+
+def pages_as_float(pages):
+    """Gathered pages -> float32 (a uint16 pool holds bf16 bits)."""
+    if pages.dtype == BF16_BITS:
+        pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return pages.astype(jnp.float32)
+
 
 def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):
     """Scatters one step's keys/values into the pool.
@@ -29,15 +48,15 @@ def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indices (blocks, offsets) are adjacent, so the indexed view is [KVH, T, D].
-    k_pages = k_pages.at[:, blocks, offsets].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, blocks, offsets].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype))
+    k_pages = k_pages.at[:, blocks, offsets].set(to_pool_dtype(jnp.swapaxes(k, 0, 1), k_pages.dtype))
+    v_pages = v_pages.at[:, blocks, offsets].set(to_pool_dtype(jnp.swapaxes(v, 0, 1), v_pages.dtype))
     return k_pages, v_pages
 
 
 def _gather(pages, scales, index):
     """pages[:, index] as float32, dequantized with its scales when the pool is int8."""
     if scales is None:
-        return pages[:, index].astype(jnp.float32)
+        return pages_as_float(pages[:, index])
     return pages[:, index].astype(jnp.float32) * scales[:, index][..., None]
 
 

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import _HIGHEST
+# pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py, issue 27).
+from pallas_kernels.reference import _HIGHEST, pages_as_float
 
 PREFILL_TILE = 16
 # Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
@@ -150,8 +151,8 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         key_ok = (slots < batch)[:, None] & (key_pos < lengths[slot][:, None])   # [I, span]
         k = k_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
         v = v_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
-        v = jnp.where(key_ok[None, :, :, None], v.astype(jnp.float32), 0.0)
-        scores = jnp.einsum("ikgd,kitd->ikgt", qs[slot], k.astype(jnp.float32),
+        v = jnp.where(key_ok[None, :, :, None], pages_as_float(v), 0.0)
+        scores = jnp.einsum("ikgd,kitd->ikgt", qs[slot], pages_as_float(k),
                             precision=_HIGHEST)                                  # [I, K, G, span]
         if k_scales is not None:
             scores = scores * _item_scales(k_scales, pages, key_ok)
@@ -217,8 +218,8 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None, None]         # [N,1,1,tq,span]
         k = k_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
         v = v_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
-        v = jnp.where(key_used[None, :, :, None], v.astype(jnp.float32), 0.0)
-        scores = jnp.einsum("nqkgd,kntd->nkgqt", qt, k.astype(jnp.float32),
+        v = jnp.where(key_used[None, :, :, None], pages_as_float(v), 0.0)
+        scores = jnp.einsum("nqkgd,kntd->nkgqt", qt, pages_as_float(k),
                             precision=_HIGHEST)                                   # [N, K, G, tq, span]
         if k_scales is not None:
             scores = scores * _tile_scales(k_scales, pages, key_used)

@@ -60,8 +60,9 @@ class ModelOptions:
     model: str | None = option(
         None, "HF directory or .gguf file; omitted: the embedded SmolLM2-135M-Instruct",
         positional=True)
-    dtype: str = option("auto", "weights and activations dtype; auto: float32 on CPU, the "
-                        "checkpoint's bfloat16/float16 on an accelerator", DTYPES)
+    dtype: str = option("auto", "weights and activations dtype; auto: bfloat16 for a 16-bit "
+                        "checkpoint on an accelerator or a CPU with native bf16 dots (AMX, "
+                        "AVX512-BF16), float32 otherwise (stats()['dtype'] says which)", DTYPES)
     quantization: str | None = option(
         None, "int8: weight-only int8 layer matrices, one scale per output channel",
         QUANTIZATIONS)

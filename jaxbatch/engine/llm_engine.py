@@ -28,6 +28,7 @@ from jaxbatch.engine import setup
 from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
@@ -309,8 +310,10 @@ class LLMEngine(EngineBase):
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
-            # "int8", or the model dtype the "auto" cache stores
-            "kv_cache_dtype": str(self.runner.pool[0].dtype),
+            # What dtype="auto" chose (model/precision.py); the embedding's, as layer matrices may be int8.
+            "dtype": str(self.runner.params["embed"].dtype),
+            # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
+            "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
             "enable_prefix_caching": self.config.enable_prefix_caching,

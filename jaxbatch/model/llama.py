@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import int8_matmul, is_quantized
 from jaxbatch.model.rope import apply_rope
@@ -85,7 +86,7 @@ def num_layers_of(params: dict) -> int:
 
 
 def _dense(x, weight):
-    return int8_matmul(x, weight) if is_quantized(weight) else x @ weight
+    return int8_matmul(x, weight) if is_quantized(weight) else precision.dense(x, weight)
 
 
 def _matmul(x, weight, index):
@@ -189,8 +190,4 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
 
 def compute_logits(params, hidden):
     """hidden [N, d] -> float32 logits [N, V]."""
-    if "lm_head" in params:
-        logits = hidden @ params["lm_head"]
-    else:
-        logits = hidden @ params["embed"].T
-    return logits.astype(jnp.float32)
+    return precision.logits(params, hidden)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.llama import stack_layers
 from jaxbatch.model.quantize import check_quantization, is_quantized, quantize_params
@@ -66,10 +67,7 @@ def resolve_source(model: str | None) -> str:
 
 def resolve_dtype(dtype: str, cfg_dtype: str | None = None):
     if dtype == "auto":
-        # float32 on CPU keeps numerics equal to the reference; bf16 where the checkpoint and
-        # an accelerator make it the natural choice.
-        on_cpu = jax.default_backend() == "cpu"
-        dtype = "float32" if on_cpu or cfg_dtype not in ("bfloat16", "float16") else "bfloat16"
+        dtype = precision.auto_dtype(cfg_dtype)       # the policy: model/precision.py
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', {', '.join(_DTYPES)}")
     return dtype
@@ -244,13 +242,15 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
             if use_cache:
                 _try_save_cache(int8_folder, hf_config, params, tokenizer)
     cfg = ModelConfig.from_hf_dict(hf_config)
-    real_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    real_dtype = resolve_dtype(dtype, precision.checkpoint_dtype(source, hf_config))
     # Layers stacked on the host, before the device copy: stacking device arrays would hold
     # the weights twice in device memory for a moment.
     params = stack_layers(jax.tree.map(np.asarray, params))
     # int8 matrices keep their int8 values and float32 scales; everything else takes `dtype`.
     to_array = jnp.asarray if on_device else np.asarray
-    params = jax.tree.map(lambda a: jax.tree.map(to_array, a) if is_quantized(a)
-                          else to_array(a, jnp.dtype(_DTYPES[real_dtype])), params,
+    float_dtype = jnp.dtype(_DTYPES[real_dtype])
+    params = jax.tree.map(lambda a: a if is_quantized(a) else np.asarray(a, float_dtype), params,
                           is_leaf=is_quantized)
+    # On CPU bf16 layer stacks are kept as their bits (model/precision.py): a free host view.
+    params = jax.tree.map(to_array, precision.to_storage(params))
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

@@ -28,7 +28,7 @@ import numpy as np
 from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
 from jaxbatch.worker.compilation import Executables
 from jaxbatch.core.config import SchedulerConfig
-from jaxbatch.model import llama
+from jaxbatch.model import llama, precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
@@ -85,7 +85,7 @@ class ModelRunner:
                              "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
-        params = llama.stack_layers(params)
+        params = precision.to_storage(llama.stack_layers(params))   # bf16 stacks as bits on CPU
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)
@@ -98,8 +98,10 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
         if self.tp is None:
-            self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks,
-                                               sched_cfg.block_size, dtype, kv_cache_dtype)
+            # The storage dtype: bf16 bits as uint16 on CPU (model/precision.py, issue 27).
+            self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size,
+                                               precision.kv_pool_dtype(dtype, self.backend),
+                                               kv_cache_dtype)
         else:
             self.pool = self.tp.allocate_pool(model_cfg, sched_cfg.num_blocks,
                                               sched_cfg.block_size, dtype)
