@@ -112,10 +112,9 @@ class LLMEngine:
 
         max_model_len = max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > mc.max_position_embeddings:
-            window = (f" (capped at its sliding_window={mc.sliding_window}: attention here is "
-                      f"full causal, exact only within the window)" if mc.sliding_window else "")
+            # Sliding windows no longer cap the length: every backend applies them (issue 24).
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}{window}")
+                             f"max_position_embeddings={mc.max_position_embeddings}")
         if max_num_batched_tokens is None:
             chunk = prefill_chunk_size or DEFAULT_PREFILL_CHUNK
             max_num_batched_tokens = max_num_seqs + chunk

@@ -19,6 +19,10 @@ Each factory returns `attend(q, k_pages, v_pages, block_offset, scales=None) -> 
 first row of the folded pool) is added to them inside the layer loop. `scales` is None for a
 float pool and (k_scales, v_scales) for an int8 one (`pallas_kernels/int8.py`); every backend
 dequantizes inside its attention.
+Models with sliding windows (issue 24) also pass `window`, the layer's int32 scalar from the
+layer scan (a query at position p sees keys p - window < pos <= p, as HF masks), and Gemma 2
+`soft_cap` (a static float): the model passes them only when it has them, so every other model
+traces exactly what it did before.
 """
 from __future__ import annotations
 
@@ -63,8 +67,14 @@ def uses_work_lists(backend: str) -> bool:
     return backend == "xla"
 
 
-def _scale_kwargs(scales) -> dict:
-    return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+def _scale_kwargs(scales, window=None, soft_cap=None) -> dict:
+    """The optional keyword arguments every backend function takes, left out when unset."""
+    kwargs = {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+    if window is not None:
+        kwargs["window"] = window
+    if soft_cap is not None:
+        kwargs["soft_cap"] = soft_cap
+    return kwargs
 
 
 def decode_attend(backend: str, meta, scale):
@@ -73,18 +83,19 @@ def decode_attend(backend: str, meta, scale):
     others: meta = (block_tables [B, P], lengths [B])"""
     if backend == "xla":
         item_slot, item_pages, item_first_pos, lengths = meta
-        return lambda q, k_pages, v_pages, off, scales=None: (
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
             xla_paged_attention.paged_decode_attention_xla(
                 q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths,
-                scale=scale, **_scale_kwargs(scales)))
+                scale=scale, **_scale_kwargs(scales, window, soft_cap)))
     if backend == "reference":
         fn = reference.paged_decode_attention_ref
     else:
         from pallas_kernels.paged_decode import paged_decode_attention
         fn = functools.partial(paged_decode_attention, interpret=backend == "pallas_interpret")
     block_tables, lengths = meta
-    return lambda q, k_pages, v_pages, off, scales=None: fn(
-        q, k_pages, v_pages, block_tables + off, lengths, scale=scale, **_scale_kwargs(scales))
+    return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: fn(
+        q, k_pages, v_pages, block_tables + off, lengths, scale=scale,
+        **_scale_kwargs(scales, window, soft_cap))
 
 
 def prefill_attend(backend: str, meta, scale):
@@ -93,16 +104,16 @@ def prefill_attend(backend: str, meta, scale):
     others: meta = (kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], num_seqs [1])"""
     if backend == "xla":
         query_pos, tile_pages = meta
-        return lambda q, k_pages, v_pages, off, scales=None: (
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
             xla_paged_attention.tiled_prefill_attention_xla(
                 q, k_pages, v_pages, query_pos, tile_pages + off, scale=scale,
-                **_scale_kwargs(scales)))
+                **_scale_kwargs(scales, window, soft_cap)))
     if backend == "reference":
         fn = reference.ragged_paged_attention_ref
     else:
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         fn = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret")
     kv_lens, page_indices, cu_q_lens, num_seqs = meta
-    return lambda q, k_pages, v_pages, off, scales=None: fn(
+    return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: fn(
         q, k_pages, v_pages, kv_lens, page_indices + off, cu_q_lens, num_seqs, scale=scale,
-        **_scale_kwargs(scales))
+        **_scale_kwargs(scales, window, soft_cap))
