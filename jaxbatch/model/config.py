@@ -13,6 +13,26 @@ from typing import Any
 
 NO_WINDOW = 0        # in `layer_windows`: the layer attends to its whole causal context
 
+# Configs without `architectures` (models built with from_config, old exports) name their
+# family by model_type only.
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    """`architectures[0]`; else the model_type's; else Llama, as before the registry."""
+    archs = hf.get("architectures")
+    if archs:
+        return archs[0]
+    model_type = hf.get("model_type", "llama")
+    if model_type not in _ARCH_OF_MODEL_TYPE:
+        raise ValueError(f"config.json has no architectures and an unsupported model_type "
+                         f"{model_type!r}; supported: {', '.join(_ARCH_OF_MODEL_TYPE)}")
+    return _ARCH_OF_MODEL_TYPE[model_type]
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -102,7 +122,6 @@ def rope_of(params: dict[str, Any] | None, theta: float | None = None):
 
 def base_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields every supported decoder reads the same way."""
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
     num_heads = hf["num_attention_heads"]
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")
     if rope is not None and "rope_theta" not in rope and "rope_type" not in rope \
@@ -128,7 +147,7 @@ def base_fields(hf: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        architecture=archs[0],
+        architecture=architecture_of(hf),
         partial_rotary_factor=float(partial),
     )
 

@@ -131,6 +131,8 @@ def read_hf_directory(path: str) -> tuple[dict, dict[str, np.ndarray]]:
             hf_config = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    # An unsupported architecture is refused before gigabytes of weights are read.
+    ModelConfig.from_hf_dict(hf_config)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weight files")

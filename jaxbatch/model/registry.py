@@ -16,6 +16,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from jaxbatch.model.config import architecture_of
+
 _FAMILY_MODULES = ("llama", "qwen3", "gemma", "phi3", "moe")
 _FAMILY_PACKAGE = "jaxbatch.model"
 
@@ -41,6 +43,4 @@ def family_for_architecture(arch: str) -> ModuleType:
 
 
 def family_of(hf: dict[str, Any]) -> ModuleType:
-    # No `architectures` (hand-written configs, old exports): Llama, as before the registry.
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    return family_for_architecture(archs[0])
+    return family_for_architecture(architecture_of(hf))
