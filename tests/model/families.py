@@ -16,7 +16,9 @@ FAMILIES = {
     # name: (transformers config class, overrides)
     "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=WINDOW,
                                   max_window_layers=2)),
+    # Soft caps low enough to bite on a random model (Gemma 2 ships 50 and 30).
     "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
                                     tie_word_embeddings=True)),
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                         sliding_window_pattern=2, rope_parameters={

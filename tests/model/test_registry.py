@@ -39,8 +39,8 @@ def test_an_unknown_architecture_is_named_and_the_supported_ones_listed(tmp_path
 
 def test_family_configs():
     g2 = ModelConfig.from_hf_dict(_hf("gemma2"))
-    assert g2.layer_windows == (8, 0, 8, 0) and g2.attn_soft_cap == 50.0
-    assert g2.final_soft_cap == 30.0 and g2.norm_offset == 1.0 and g2.embed_scale == 8.0
+    assert g2.layer_windows == (8, 0, 8, 0) and g2.attn_soft_cap == 0.5
+    assert g2.final_soft_cap == 3.0 and g2.norm_offset == 1.0 and g2.embed_scale == 8.0
     assert g2.attention_scale == 24 ** -0.5 and g2.hidden_act == "gelu_tanh"
     # Gemma 2 without layer_types (configs written before transformers 5): even layers slide.
     old = _hf("gemma2")
