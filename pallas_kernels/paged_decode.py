@@ -19,6 +19,11 @@ and applies the scales to the [rows, block_k] scores and probabilities, not to t
 [block_k, D] tiles: a key's scale multiplies its score column after q @ K^T, a value's scale
 multiplies its probability column before p @ V.
 
+Sliding windows (`window`, an int32 scalar, possibly traced): the query at position length - 1
+sees keys from length - window on; each split's key loop starts there (a split wholly before
+the window runs no tile), so cost follows the window, not the context. Without a window the
+kernel takes no window input and is unchanged.
+
 This module also holds the validation and the flash step shared with the ragged kernel.
 """
 from __future__ import annotations
@@ -205,8 +210,11 @@ def load_kv_tile(k_ref, v_ref, table_ref, seq, kv_head, first_key, num_keys, blo
 # Decode kernel.
 
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group, rows,
-                   pages_per_block, pages_per_split, scale, soft_cap, precision, quantized):
-    # int8 pools pass (k_scales, v_scales) after the pages; then come the outputs.
+                   pages_per_block, pages_per_split, scale, soft_cap, precision, quantized,
+                   windowed):
+    # A windowed call passes the window [1] first; int8 pools pass (k_scales, v_scales)
+    # after the pages; then come the outputs.
+    window_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else (None, refs)
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
@@ -219,8 +227,11 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group, r
     q_idx = (b, (kv_head * group + g)[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     q = pltriton.load(q_ref.at[q_idx], mask=row_ok[:, None], other=0)        # [rows, D]
 
-    first_key = split * pages_per_split * block_size
-    end_key = jnp.minimum(length, first_key + pages_per_split * block_size)
+    split_key = split * pages_per_split * block_size
+    end_key = jnp.minimum(length, split_key + pages_per_split * block_size)
+    first_key = split_key
+    if windowed:                        # keys before length - window are outside the window
+        first_key = jnp.maximum(split_key, length - window_ref[0])
     num_tiles = (jnp.maximum(end_key - first_key, 0) + block_k - 1) // block_k
 
     def body(i, carry):
@@ -274,9 +285,9 @@ def decode_launch_config(batch, num_kv_heads, pages_per_seq, block_size,
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                            soft_cap=None, pages_per_compute_block=None, num_splits=None,
                            num_warps=4, num_stages=2, interpret=False, k_scales=None,
-                           v_scales=None):
+                           v_scales=None, window=None):
     """q [B, H, D]; k/v_pages [KVH, N, bs, D]; block_tables [B, P] int32; lengths [B] int32;
-    for an int8 pool, k/v_scales [KVH, N, bs] float32.
+    for an int8 pool, k/v_scales [KVH, N, bs] float32; `window` None or an int32 scalar.
 
     Returns [B, H, D] in q's dtype (zeros for length-0 slots). `num_splits` (default: enough
     programs to fill the GPU) splits each slot's pages over several programs.
@@ -300,8 +311,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
         _decode_kernel, group=group, rows=rows, pages_per_block=pages_per_block,
         pages_per_split=pages_per_split, scale=float(head_dim ** -0.5 if scale is None else scale),
         soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype),
-        quantized=k_scales is not None)
+        quantized=k_scales is not None, windowed=window is not None)
     scale_args = () if k_scales is None else (k_scales, v_scales)
+    window_args = () if window is None else (jnp.asarray(window, jnp.int32).reshape(1),)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype)
     else:
@@ -313,7 +325,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
         kernel, grid=(batch, num_kv_heads, splits), out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="jaxbatch_paged_decode",
-    )(lengths, block_tables, q, k_pages, v_pages, *scale_args)
+    )(lengths, block_tables, q, k_pages, v_pages, *window_args, *scale_args)
     if splits == 1:
         return result
     out = _combine_splits(*result)[:, :, :group]                # [B, KVH, G, D]

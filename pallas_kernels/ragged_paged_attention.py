@@ -18,6 +18,9 @@ position, `pages_per_compute_block` pages per tile, with an online softmax and a
 Tokens that no program owns (padding past cu_q_lens[num_seqs]) keep the zeros of the output
 buffer, which is passed in and aliased to the output.
 
+Sliding windows (`window`, an int32 scalar, possibly traced): a query at position p sees keys
+p - window < pos <= p; each program's key loop starts at its first query's window, so a long
+chunk's early keys are never loaded by its late blocks.
 int8 pools (`k_scales, v_scales`): int8 tiles and their scales are loaded and applied in the
 flash step exactly as in the decode kernel (`paged_decode.py`'s module doc).
 """
@@ -39,8 +42,10 @@ _TARGET_ROWS = 64       # query rows (tokens x padded group) per program
 
 def _ragged_kernel(block_seq_ref, block_first_ref, cu_ref, kv_lens_ref, pages_ref, q_ref,
                    k_ref, v_ref, *refs, group, group_pad, block_q, block_k,
-                   scale, soft_cap, precision, quantized):
-    # int8 pools pass (k_scales, v_scales) after the pages; then the zeros input and the output.
+                   scale, soft_cap, precision, quantized, windowed):
+    # A windowed call passes the window [1] first; int8 pools pass (k_scales, v_scales) after
+    # the pages; then the zeros input and the output.
+    window_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     scale_refs = refs[:2] if quantized else None
     o_ref = refs[-1]
     blk, kv_head = pl.program_id(0), pl.program_id(1)
@@ -65,12 +70,18 @@ def _ragged_kernel(block_seq_ref, block_first_ref, cu_ref, kv_lens_ref, pages_re
     rows_here = jnp.clip(q_len - first, 0, block_q)
     end_key = jnp.where(rows_here > 0,
                         jnp.minimum(ctx_len, kv_len - q_len + first + rows_here), 0)
-    num_tiles = (jnp.maximum(end_key, 0) + block_k - 1) // block_k
+    start_key = 0
+    if windowed:                        # the block's first query sees no key before this
+        start_key = jnp.maximum(kv_len - q_len + first - window_ref[0] + 1, 0)
+    num_tiles = (jnp.maximum(end_key - start_key, 0) + block_k - 1) // block_k
 
     def body(i, carry):
         k, v, k_pos, k_ok, kv_scales = load_kv_tile(k_ref, v_ref, pages_ref, seq, kv_head,
-                                                    i * block_k, end_key, block_k, scale_refs)
+                                                    start_key + i * block_k, end_key, block_k,
+                                                    scale_refs)
         mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        if windowed:
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - window_ref[0])
         return flash_step(carry, q, k, v, mask, scale=scale, soft_cap=soft_cap,
                           precision=precision, kv_scales=kv_scales)
 
@@ -113,10 +124,10 @@ def ragged_launch_config(num_tokens, max_seqs, group, pages_per_seq, block_size,
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            scale=None, soft_cap=None, block_q=None, pages_per_compute_block=None,
                            num_warps=4, num_stages=2, interpret=False, k_scales=None,
-                           v_scales=None):
+                           v_scales=None, window=None):
     """q [T, H, D]; k/v_pages [KVH, N, bs, D]; kv_lens [S] int32; page_indices [S, P] int32;
     cu_q_lens [S + 1] int32; num_seqs int32 scalar or [1]; for an int8 pool, k/v_scales
-    [KVH, N, bs] float32. Returns [T, H, D] in q's dtype, zeros for padding tokens."""
+    [KVH, N, bs] float32; `window` None or an int32 scalar. Returns [T, H, D] in q's dtype, zeros for padding tokens."""
     check_kv_pool(k_pages, v_pages, k_scales=k_scales, v_scales=v_scales)
     check_query(q, k_pages)
     num_tokens, num_heads, head_dim = q.shape
@@ -142,10 +153,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         block_k=pages_per_block * block_size,
         scale=float(head_dim ** -0.5 if scale is None else scale),
         soft_cap=None if soft_cap is None else float(soft_cap), precision=dot_precision(q.dtype),
-        quantized=k_scales is not None)
+        quantized=k_scales is not None, windowed=window is not None)
     zeros = jnp.zeros_like(q)
+    window_args = () if window is None else (jnp.asarray(window, jnp.int32).reshape(1),)
     inputs = (block_seq, block_first, cu, kv_lens, page_indices, q, k_pages, v_pages,
-              *(() if k_scales is None else (k_scales, v_scales)), zeros)
+              *window_args, *(() if k_scales is None else (k_scales, v_scales)), zeros)
     return pl.pallas_call(
         kernel, grid=(num_blocks, num_kv_heads),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -10,6 +10,9 @@ before it meets arithmetic, because 0 * NaN is NaN.
 
 int8 pools (`pallas_kernels/int8.py`) pass `k_scales, v_scales` [KVH, num_blocks, block_size]:
 the oracle simply dequantizes the pages it gathers to float32 and proceeds as for a float pool.
+
+`window` (an int32 scalar, possibly traced; None: no window): a query at position p attends to
+keys at positions p - window < pos <= p, Hugging Face's sliding-window mask.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def _masked_softmax(scores, mask):
 
 
 def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                               soft_cap=None, k_scales=None, v_scales=None):
+                               soft_cap=None, k_scales=None, v_scales=None, window=None):
     """One query token per sequence attending to its first `lengths[b]` cached tokens.
 
     q: [B, H, D]; block_tables: [B, P] int32; lengths: [B] int32 (0 = empty slot -> zeros).
@@ -95,6 +98,8 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, sc
     v = _gather(v_pages, v_scales, block_tables).reshape(num_kv_heads, batch, context, head_dim)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     mask = jnp.arange(context)[None, :] < lengths[:, None]                    # [B, ctx]
+    if window is not None:              # the query sits at lengths - 1
+        mask = mask & (jnp.arange(context)[None, :] >= lengths[:, None] - window)
     v = jnp.where(mask[None, :, :, None], v, 0.0)
 
     scores = jnp.einsum("bkgd,kbtd->bkgt", qg, k, precision=_HIGHEST) * scale
@@ -122,7 +127,8 @@ def ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens):
 
 
 def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               *, scale=None, soft_cap=None, k_scales=None, v_scales=None):
+                               *, scale=None, soft_cap=None, k_scales=None, v_scales=None,
+                               window=None):
     """Packed queries of several sequences (prefill chunks and decode tokens mixed), causal
     within each sequence, over each sequence's pages.
 
@@ -148,6 +154,8 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     key_valid = (key_pos < kv_lens[key_seq]) & (key_seq < jnp.asarray(num_seqs).reshape(()))
     mask = ((key_seq[None, :] == seq[:, None]) & (key_pos[None, :] <= position[:, None])
             & key_valid[None, :] & valid[:, None])                             # [T, S*ctx]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > position[:, None] - window)
     v = jnp.where(key_valid[None, :, None], v, 0.0)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)

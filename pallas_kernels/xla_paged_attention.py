@@ -19,6 +19,12 @@ of pages at a time, up to the call's last query position.
 
 Masked keys may hold anything (NaN included): masked values are zeroed before p @ V.
 
+Sliding windows (`window`, an int32 scalar, possibly traced; None: none): a query at position
+p sees keys p - window < pos <= p. Prefill starts its key loop at the block holding the
+call's first key inside any query's window; decode masks the keys of its work items outside
+the window (the host lists every page of a table, so the items are still visited).
+`soft_cap` (Gemma 2, static): scores become cap * tanh(score / cap) before the mask.
+
 int8 pools (`k_scales, v_scales` given, see `int8.py`): the int8 pages are converted to float32
 unscaled, and the scales are applied where they cost least: a key's scale multiplies its score
 column after q @ K, a value's scale multiplies its probability column before p @ V (both are
@@ -30,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py, issue 27).
-from pallas_kernels.reference import _HIGHEST, pages_as_float
+# pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
+from pallas_kernels.reference import _HIGHEST, _soft_cap, pages_as_float
 
 PREFILL_TILE = 16
 # Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
@@ -125,7 +131,8 @@ def _normalise(l, acc):
 
 
 def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
-                               lengths, *, scale=None, k_scales=None, v_scales=None):
+                               lengths, *, scale=None, k_scales=None, v_scales=None,
+                               window=None, soft_cap=None):
     """q [B, H, D]; item_slot [J], item_pages [J, PPI], item_first_pos [J] int32 from
     `decode_work_items` (used items first, then padding); lengths [B]. -> [B, H, D].
     Loops over the used items in blocks of `decode_items_per_block(B)`."""
@@ -149,6 +156,8 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         slot = jnp.minimum(slots, batch - 1)
         key_pos = first_pos[:, None] + jnp.arange(span)[None, :]                 # [I, span]
         key_ok = (slots < batch)[:, None] & (key_pos < lengths[slot][:, None])   # [I, span]
+        if window is not None:          # each row's query sits at lengths - 1
+            key_ok = key_ok & (key_pos >= (lengths[slot] - window)[:, None])
         k = k_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
         v = v_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
         v = jnp.where(key_ok[None, :, :, None], pages_as_float(v), 0.0)
@@ -156,6 +165,7 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
                             precision=_HIGHEST)                                  # [I, K, G, span]
         if k_scales is not None:
             scores = scores * _item_scales(k_scales, pages, key_ok)
+        scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(key_ok[:, None, None, :], scores, -jnp.inf)
         onehot = slots[None, :] == rows[:, None]                                 # [B, I]
         # A row's items may straddle blocks: the running max is per row.
@@ -191,7 +201,7 @@ def _item_scales(scales, pages, key_ok):
 
 
 def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None,
-                                k_scales=None, v_scales=None):
+                                k_scales=None, v_scales=None, window=None, soft_cap=None):
     """q [T, H, D] with T = num_tiles * PREFILL_TILE; query_pos [T] (absolute position, -1 for
     padding, which gives zeros); tile_pages [num_tiles, P]: the block table of the sequence
     each tile belongs to. Causal: a query attends to keys at positions <= its own.
@@ -207,6 +217,10 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     span = per_block * block_size
     tile_pages = _pad_to_multiple(tile_pages, per_block, 1, 0)
     num_blocks = (jnp.max(query_pos) + span) // span           # 0 when every query is padding
+    first_block = 0
+    if window is not None:              # no key before the lowest query's window is needed
+        lowest = jnp.min(jnp.where(query_pos >= 0, query_pos, jnp.iinfo(jnp.int32).max))
+        first_block = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // span, num_blocks)
     pos = query_pos.reshape(num_tiles, tile)
     tile_last = jnp.max(pos, axis=1)
     qt = q.reshape(num_tiles, tile, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
@@ -215,7 +229,10 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, b * per_block, per_block, axis=1)
         key_pos = b * span + jnp.arange(span)
         key_used = key_pos[None, :] <= tile_last[:, None]                         # [N, span]
-        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None, None]         # [N,1,1,tq,span]
+        mask = key_pos[None, None, :] <= pos[:, :, None]                          # [N, tq, span]
+        if window is not None:
+            mask = mask & (key_pos[None, None, :] > pos[:, :, None] - window)
+        mask = mask[:, None, None]                                                # [N,1,1,tq,span]
         k = k_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
         v = v_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
         v = jnp.where(key_used[None, :, :, None], pages_as_float(v), 0.0)
@@ -223,6 +240,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
                             precision=_HIGHEST)                                   # [N, K, G, tq, span]
         if k_scales is not None:
             scores = scores * _tile_scales(k_scales, pages, key_used)
+        scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
 
         def probs_of(new_max):                                                    # [N, K, G, tq]
@@ -237,7 +255,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
 
     shape = (num_tiles, num_kv_heads, group, tile)
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, block, init)
+    _, l, acc = jax.lax.fori_loop(first_block, num_blocks, block, init)
     out = jnp.transpose(_normalise(l, acc), (0, 3, 1, 2, 4))                       # [N, tq, K, G, D]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 

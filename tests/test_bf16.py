@@ -84,7 +84,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
     model_keys = [k for k in keys if k[0] == "decode"][-1:] + [k for k in keys if k[0] == "prefill"][-1:]
     assert [k[0] for k in model_keys] == ["decode", "prefill"] and model_keys[1][1] < 64
     for key in model_keys:
-        text = runner._lower(key, runner._example_args(key)).compile().as_text()
+        text = runner.executables.lower(key, runner.example_args(key)).compile().as_text()
         shapes = _shapes(text)
         bad = sorted({(n, s) for n, (t, s) in _shapes(text, materialized_only=True).items()
                       if (t == "f32" and (s in weights or s == pool)) or (t == "bf16" and s == pool)})

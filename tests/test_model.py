@@ -2,6 +2,7 @@
 the paged pool exactly as the engine drives it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from jaxbatch.model.registry import config_from_hf
 from jaxbatch.worker import kv_cache
-from jaxbatch.worker.attention import prefill_attend
+from jaxbatch.worker.attention import get_backend
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
@@ -29,7 +31,7 @@ def _prefill_fn(cfg):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, pool, tokens, positions, slots, pages, kv_len, cu):
         meta = (kv_len, pages, cu, jnp.ones(1, jnp.int32))              # one sequence
-        attend = prefill_attend("reference", meta, cfg.head_dim ** -0.5)
+        attend = get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
         hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend, inv_freq)
         return llama.compute_logits(params, hidden), pool
     return run
@@ -104,7 +106,7 @@ def test_tiny_variant_logits_match_hf(variant):
 
 def test_tiny_variants_cover_what_they_claim():
     from jaxbatch.model.config import ModelConfig
-    cfgs = {v: ModelConfig.from_hf_dict(make_hf_model(v).config.to_dict()) for v in VARIANTS}
+    cfgs = {v: config_from_hf(make_hf_model(v).config.to_dict()) for v in VARIANTS}
     assert cfgs["llama_tied_mha"].tie_word_embeddings and not cfgs["llama_untied_gqa2"].tie_word_embeddings
     assert cfgs["qwen2_qkv_bias"].qkv_bias and not cfgs["qwen2_qkv_bias"].o_bias
     assert cfgs["llama_gqa4_bias"].o_bias and cfgs["llama_gqa4_bias"].num_heads == 4 * cfgs["llama_gqa4_bias"].num_kv_heads
@@ -248,46 +250,46 @@ def _mistral(window, seed=0):
     return model
 
 
-def test_mistral_sliding_window_caps_the_model_length():
-    """Attention here is full causal, which equals Mistral's sliding window only while a
-    sequence fits in the window: the model length is capped at the window, and an engine asked
-    for more refuses with a ValueError, instead of silently computing something else."""
+def test_mistral_sliding_window_no_longer_caps_the_model_length():
+    """Every attention backend applies the window now (issue 24): the model length stays the
+    checkpoint's, and an engine may run sequences longer than the window."""
     from jaxbatch.engine.llm_engine import LLMEngine
     from jaxbatch.model.loader import LoadedModel
     model = _mistral(window=48)
     cfg, params = ours_from_hf(model)
-    assert cfg.sliding_window == 48 and cfg.max_position_embeddings == 48
+    assert cfg.sliding_window == 48 and cfg.max_position_embeddings == 1024
+    assert cfg.layer_windows == (48, 48)
     loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny-mistral", load_seconds=0.0,
                          from_cache=False)
-    with pytest.raises(ValueError, match="max_model_len=64 exceeds.*48"):
-        LLMEngine(loaded=loaded, max_model_len=64, max_num_seqs=2)
-    assert LLMEngine(loaded=loaded, max_num_seqs=2).config.max_model_len == 48
+    engine = LLMEngine(loaded=loaded, max_model_len=64, max_num_seqs=2, warmup=False,
+                       compilation_cache=False)
+    assert engine.config.max_model_len == 64
 
 
-def test_mistral_within_the_window_matches_hf_and_beyond_it_would_not():
+def test_mistral_within_and_beyond_the_window_matches_hf():
     model = _mistral(window=48)
     cfg, params = ours_from_hf(model)
     ids = np.random.default_rng(ORDER_SEED + 3).integers(3, 256, size=80).tolist()
     ref = hf_logits(model, ids)
-    inside = paged_prefill_logits(cfg, params, ids[:48], chunk=32)
-    assert rel_err(inside, ref[:48]) < 1e-4
-    # Past the window Hugging Face attends to the last 48 tokens only; full attention differs,
-    # which is why the length is capped rather than the window ignored.
-    full = paged_prefill_logits(cfg, params, ids, chunk=32)
+    ours = paged_prefill_logits(cfg, params, ids, chunk=32)
+    assert rel_err(ours, ref) < 1e-4
+    # Without the window, positions past it would differ: the check above can fail.
+    full = paged_prefill_logits(dataclasses.replace(cfg, layer_windows=None), params, ids, chunk=32)
     assert rel_err(full[60:], ref[60:]) > 1e-3
 
 
-def test_no_cap_where_no_window_applies():
+def test_which_layers_get_a_window():
     from jaxbatch.model.config import ModelConfig
     base = _mistral(window=None).config.to_dict()
-    assert ModelConfig.from_hf_dict(base).max_position_embeddings == 1024
-    wide = dict(base, sliding_window=4096)              # wider than the model: nothing to cap
-    assert ModelConfig.from_hf_dict(wide).max_position_embeddings == 1024
+    assert config_from_hf(base).layer_windows is None
+    wide = dict(base, sliding_window=4096)       # wider than the model: harmless, no cap
+    got = config_from_hf(wide)
+    assert got.layer_windows == (4096, 4096) and got.max_position_embeddings == 1024
     qwen = make_hf_model("qwen2_qkv_bias").config.to_dict()
+    del qwen["layer_types"]                      # as a config written before transformers 5
     qwen.update(sliding_window=32, use_sliding_window=False)
-    assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 1024
+    assert config_from_hf(qwen).layer_windows is None
     qwen.update(use_sliding_window=True, max_window_layers=0)
-    assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 32
-    qwen.update(max_window_layers=1)                    # window on layer 1 of 2 only
-    with pytest.raises(ValueError, match="per-layer windows are not supported"):
-        ModelConfig.from_hf_dict(qwen)
+    assert config_from_hf(qwen).layer_windows == (32, 32)
+    qwen.update(max_window_layers=1)             # window on layer 1 of 2 only
+    assert config_from_hf(qwen).layer_windows == (0, 32)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbatch.model.registry import config_from_hf
 from jaxbatch.worker import kv_cache
 from jaxbatch.model import llama
 from jaxbatch.model.config import ModelConfig
@@ -94,7 +95,7 @@ def test_write_kv_int8_stores_values_and_scales_where_the_slots_say(rng):
 
 
 def _cfg(head_dim=64):
-    return ModelConfig.from_hf_dict(dict(
+    return config_from_hf(dict(
         vocab_size=256, hidden_size=head_dim * 4, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-5, rope_theta=1e4, architectures=["LlamaForCausalLM"]))

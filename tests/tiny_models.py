@@ -41,9 +41,9 @@ def ours_from_hf(model):
     """(ModelConfig, float32 params) converted the same way the loader converts checkpoints."""
     import jax.numpy as jnp
     import jax
-    from jaxbatch.model.config import ModelConfig
+    from jaxbatch.model.registry import config_from_hf
     from jaxbatch.model.weights import params_from_hf_state
-    cfg = ModelConfig.from_hf_dict(model.config.to_dict())
+    cfg = config_from_hf(model.config.to_dict())
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     params = params_from_hf_state(cfg, state, "tiny")
     return cfg, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)

@@ -51,10 +51,8 @@ def scheduler_config(config: EngineConfig, mc: ModelConfig, param_dtype) -> Sche
     s, c = config.scheduler, config.cache
     max_model_len = s.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > mc.max_position_embeddings:
-        window = (f" (capped at its sliding_window={mc.sliding_window}: attention here is "
-                  f"full causal, exact only within the window)" if mc.sliding_window else "")
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={mc.max_position_embeddings}{window}")
+                         f"max_position_embeddings={mc.max_position_embeddings}")
     budget, chunk = s.max_num_batched_tokens, s.prefill_chunk_size
     if budget is None:
         chunk = chunk or DEFAULT_PREFILL_CHUNK

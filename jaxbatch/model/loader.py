@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.model.registry import config_from_hf
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.llama import stack_layers
@@ -129,6 +130,8 @@ def read_hf_directory(path: str) -> tuple[dict, dict[str, np.ndarray]]:
             hf_config = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    # An unsupported architecture is refused before gigabytes of weights are read.
+    config_from_hf(hf_config)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weight files")
@@ -206,7 +209,7 @@ def _load_float32(source: str, folder: str, use_cache: bool):
         hf_config, state = read_gguf_file(source)
     else:
         raise ValueError(f"model path {source} is neither a directory nor a .gguf file")
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    cfg = config_from_hf(hf_config)
     params = params_from_hf_state(cfg, state, source)
     tokenizer = load_tokenizer(source)
     if use_cache:
@@ -241,7 +244,7 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
             params = quantize_params(jax.tree.map(np.asarray, params))
             if use_cache:
                 _try_save_cache(int8_folder, hf_config, params, tokenizer)
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    cfg = config_from_hf(hf_config)
     real_dtype = resolve_dtype(dtype, precision.checkpoint_dtype(source, hf_config))
     # Layers stacked on the host, before the device copy: stacking device arrays would hold
     # the weights twice in device memory for a moment.

@@ -5,7 +5,9 @@ checkpoint (no calibration data). A quantized matrix [in, out] (or stacked [L, i
 {"int8": int8 [.., in, out], "scale": float32 [.., out]}.
 
 What is quantized: the seven matrices of every decoder layer (wq, wk, wv, wo, w_gate, w_up,
-w_down), which hold ~80 % of SmolLM2-135M's weights and all of a large model's. What stays in
+w_down; for MoE families the three expert stacks in place of the MLP, one scale per expert and
+output channel),
+which hold ~80 % of SmolLM2-135M's weights and all of a large model's. What stays in
 full precision: the token embedding and the LM head (tied to it in SmolLM2; one [V, d] matrix
 that the error of every logit would pass through), the RMSNorm weights and the biases (vectors,
 negligible bytes).
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 from pallas_kernels.int8 import quantize_int8
 
 QUANTIZATIONS = (None, "int8")
-QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                      "we_gate", "we_up", "we_down")     # the last three: MoE experts
 
 
 def check_quantization(quantization) -> None:

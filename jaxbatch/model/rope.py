@@ -1,7 +1,8 @@
 """Rotary position embeddings with the checkpoint's scaling (default, linear, llama3, yarn-free).
 
 Follows Hugging Face's `rotate_half` convention: the GGUF and safetensors loaders both hand us
-weights in that layout.
+weights in that layout. Partial rotary (Phi-4-mini) rotates the first `cfg.rotary_dim`
+features of each head and passes the rest through, as HF does.
 """
 from __future__ import annotations
 
@@ -13,11 +14,8 @@ import numpy as np
 from jaxbatch.model.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] float32, with the checkpoint's rope_scaling applied."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = cfg.rope_scaling_dict
+def _inverse_frequencies(theta: float, scaling: dict | None, dim: int) -> np.ndarray:
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -40,12 +38,27 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: linear, llama3")
 
 
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[rotary_dim // 2] float32 with the checkpoint's rope_scaling applied; [L, rotary_dim // 2]
+    when layers differ (Gemma 3's local and global bases: `cfg.layer_rope`)."""
+    if cfg.layer_rope is None:
+        return _inverse_frequencies(cfg.rope_theta, cfg.rope_scaling_dict, cfg.rotary_dim)
+    return np.stack([_inverse_frequencies(theta, None if s is None else dict(s), cfg.rotary_dim)
+                     for theta, s in cfg.layer_rope])
+
+
 def apply_rope(x, positions, inv_freq):
-    """x: [T, heads, head_dim]; positions: [T] int32 -> same shape as x."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]     # [T, 1, D]
+    """x: [T, heads, head_dim]; positions: [T] int32; inv_freq [R/2] (R <= head_dim: features
+    past R are not rotated) -> same shape as x."""
+    rot = 2 * inv_freq.shape[-1]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]     # [T, 1, R]
     sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, None, :]
-    half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    x_rot, x_pass = x32[..., :rot], x32[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos + rotated * sin
+    if x_pass.shape[-1]:
+        out = jnp.concatenate([out, x_pass], axis=-1)
+    return out.astype(x.dtype)

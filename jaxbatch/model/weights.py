@@ -1,4 +1,14 @@
-"""Hugging Face state-dict names -> our params pytree (numpy in, numpy out; no JAX, no torch)."""
+"""Hugging Face state-dict names -> our params pytree (numpy in, numpy out; no JAX, no torch).
+
+The pieces every family shares are here (`attention_weights`, `mlp_weights`, the reader); what
+a family names differently is its own `layer_weights` (`model/registry.py` picks the family).
+Layer keys, all [in, out] (torch Linear weights are [out, in]; we transpose):
+    attn_norm wq wk wv wo mlp_norm w_gate w_up w_down       every family
+    bq bk bv / bo                                           qkv_bias / o_bias
+    q_norm k_norm [Dh]                                      qk_norm (Qwen3, Gemma 3)
+    post_attn_norm post_mlp_norm [d]                        sandwich_norm (Gemma 2/3)
+    w_router [d, E], we_gate we_up [E, d, F], we_down [E, F, d]    MoE in place of w_gate..
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -6,49 +16,71 @@ import numpy as np
 from jaxbatch.model.config import ModelConfig
 
 
-def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str) -> dict:
-    """`state` maps HF parameter names (with or without the `model.` prefix) to arrays.
+class Reader:
+    """Looks tensors up by HF name, with or without the `model.` prefix."""
 
-    torch Linear weights are [out, in]; we store [in, out]."""
-    def get(name: str) -> np.ndarray:
+    def __init__(self, state: dict[str, np.ndarray], source: str):
+        self.state, self.source = state, source
+
+    def has(self, name: str) -> bool:
+        return name in self.state or "model." + name in self.state
+
+    def get(self, name: str) -> np.ndarray:
         for key in (name, "model." + name):
-            if key in state:
-                return np.asarray(state[key])
-        raise ValueError(f"checkpoint {source} is missing tensor {name!r}")
+            if key in self.state:
+                return np.asarray(self.state[key])
+        raise ValueError(f"checkpoint {self.source} is missing tensor {name!r}")
 
-    def linear(name: str) -> np.ndarray:
-        return get(name + ".weight").T
+    def linear(self, name: str) -> np.ndarray:
+        return self.get(name + ".weight").T
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        layer = {
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "wq": linear(p + "self_attn.q_proj"),
-            "wk": linear(p + "self_attn.k_proj"),
-            "wv": linear(p + "self_attn.v_proj"),
-            "wo": linear(p + "self_attn.o_proj"),
-            "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "w_gate": linear(p + "mlp.gate_proj"),
-            "w_up": linear(p + "mlp.up_proj"),
-            "w_down": linear(p + "mlp.down_proj"),
-        }
-        if cfg.qkv_bias:
-            for short, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-                layer[short] = get(p + f"self_attn.{proj}.bias")
-        if cfg.o_bias:
-            layer["bo"] = get(p + "self_attn.o_proj.bias")
-        layers.append(layer)
-    params = {"embed": get("embed_tokens.weight"), "layers": layers,
-              "final_norm": get("norm.weight")}
+
+def attention_weights(r: Reader, cfg: ModelConfig, p: str) -> dict:
+    """Separate q/k/v/o projections under `{p}self_attn.` (Phi-3 fuses them: phi3.py)."""
+    a = p + "self_attn."
+    layer = {"wq": r.linear(a + "q_proj"), "wk": r.linear(a + "k_proj"),
+             "wv": r.linear(a + "v_proj"), "wo": r.linear(a + "o_proj")}
+    if cfg.qkv_bias:
+        for short, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+            layer[short] = r.get(a + f"{proj}.bias")
+    if cfg.o_bias:
+        layer["bo"] = r.get(a + "o_proj.bias")
+    if cfg.qk_norm:
+        layer["q_norm"], layer["k_norm"] = r.get(a + "q_norm.weight"), r.get(a + "k_norm.weight")
+    return layer
+
+
+def mlp_weights(r: Reader, p: str) -> dict:
+    m = p + "mlp."
+    return {"w_gate": r.linear(m + "gate_proj"), "w_up": r.linear(m + "up_proj"),
+            "w_down": r.linear(m + "down_proj")}
+
+
+def llama_layer(r: Reader, cfg: ModelConfig, i: int) -> dict:
+    """Pre-norm layer: input_layernorm, attention, post_attention_layernorm (before the MLP)."""
+    p = f"layers.{i}."
+    return {"attn_norm": r.get(p + "input_layernorm.weight"),
+            "mlp_norm": r.get(p + "post_attention_layernorm.weight"),
+            **attention_weights(r, cfg, p), **mlp_weights(r, p)}
+
+
+def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str) -> dict:
+    """`state` maps HF parameter names (with or without the `model.` prefix) to arrays."""
+    from jaxbatch.model.registry import family_for_architecture
+    family = family_for_architecture(cfg.architecture)
+    r = Reader(state, source)
+    layers = [family.layer_weights(r, cfg, i) for i in range(cfg.num_layers)]
+    params = {"embed": r.get("embed_tokens.weight"), "layers": layers,
+              "final_norm": r.get("norm.weight")}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
-    expected = {
-        "embed": (cfg.vocab_size, cfg.hidden_size),
-        "wq": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-        "wk": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
-        "w_down": (cfg.intermediate_size, cfg.hidden_size),
-    }
+        params["lm_head"] = r.linear("lm_head")
+    expected = {"embed": (cfg.vocab_size, cfg.hidden_size),
+                "wq": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+                "wk": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)}
+    if cfg.num_experts:
+        expected["we_down"] = (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    else:
+        expected["w_down"] = (cfg.intermediate_size, cfg.hidden_size)
     for key, shape in expected.items():
         arr = params[key] if key == "embed" else params["layers"][0][key]
         if arr.shape != shape:

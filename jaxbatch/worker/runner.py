@@ -43,19 +43,20 @@ def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slo
     """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
     `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
     tokens = jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)   # [B]
-    attend = backend.decode_attend(attn_meta, cfg.head_dim ** -0.5)
+    # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
+    attend = backend.decode_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [B, d]
-    return llama.compute_logits(params, hidden), pool                           # [B, V]
+    return llama.compute_logits(params, hidden, cfg), pool                      # [B, V]
 
 
 def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index, *,
                      cfg, backend, inv_freq, per_shard=llama.unsharded):
-    attend = backend.prefill_attend(attn_meta, cfg.head_dim ** -0.5)
+    attend = backend.prefill_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard)            # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
-    return llama.compute_logits(params, last), hidden, pool                     # [S, V], [T, d]
+    return llama.compute_logits(params, last, cfg), hidden, pool                # [S, V], [T, d]
 
 
 def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
@@ -66,8 +67,9 @@ def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slot
     return out + (kept_tokens.at[token_slots].set(out[0], mode="drop"),)
 
 
-def _prompt_logprobs_step(params, hidden, targets):
-    return sampler.prompt_logprobs(llama.compute_logits(params, hidden), targets)  # [T, V] inside
+def _prompt_logprobs_step(params, hidden, targets, *, cfg=None):
+    logits = llama.compute_logits(params, hidden, cfg)                         # [T, V]
+    return sampler.prompt_logprobs(logits, targets)
 
 
 class ModelRunner:
@@ -114,7 +116,7 @@ class ModelRunner:
             "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
             "sample": (functools.partial(_sample_and_keep, sampler.sample), None, None),
             "verify_sample": (functools.partial(_sample_and_keep, sampler.sample_verified), None, None),
-            "prompt_logprobs": (_prompt_logprobs_step, None, None),
+            "prompt_logprobs": (functools.partial(_prompt_logprobs_step, cfg=model_cfg), None, None),
         }
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)

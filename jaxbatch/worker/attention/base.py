@@ -5,7 +5,9 @@ sequences out as the arrays its kernels read (`decode_metadata`, `prefill_metada
 placeholders for warm-up, and the shape keys they produce); on the device, the `attend`
 functions the model calls with those arrays (`decode_attend`, `prefill_attend`: each returns
 `attend(q, k_pages, v_pages, block_offset, scales=None) -> out` for
-`model.llama.forward_hidden`). `step_inputs.StepLayout` and the runner only ever talk to this
+`model.llama.forward_hidden`; models with sliding windows also pass `window`, the layer's
+int32 scalar from the layer scan (a query at position p sees keys p - window < pos <= p, as
+HF masks), and Gemma 2 `soft_cap`, a static float). `step_inputs.StepLayout` and the runner only ever talk to this
 interface; each backend is one file (`work_lists.py`: xla; `block_tables.py`: reference and
 the Pallas kernels).
 
@@ -71,5 +73,11 @@ class AttentionBackend:
         return f"{type(self).__name__}({self.name!r})"
 
 
-def scale_kwargs(scales) -> dict:
-    return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+def scale_kwargs(scales, window=None, soft_cap=None) -> dict:
+    """The optional keyword arguments every kernel takes, left out when unset."""
+    kwargs = {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+    if window is not None:
+        kwargs["window"] = window
+    if soft_cap is not None:
+        kwargs["soft_cap"] = soft_cap
+    return kwargs

@@ -75,14 +75,14 @@ class BlockTableBackend(AttentionBackend):
         """meta = (block_tables [B, P], lengths [B])"""
         fn = self._kernels()[0]
         block_tables, lengths = meta
-        return lambda q, k_pages, v_pages, off, scales=None: fn(
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: fn(
             q, k_pages, v_pages, block_tables + off, lengths, scale=scale,
-            **scale_kwargs(scales))
+            **scale_kwargs(scales, window, soft_cap))
 
     def prefill_attend(self, meta, scale):
         """meta = (kv_lens [S], page_indices [S, P], cu_q_lens [S + 1], num_seqs [1])"""
         fn = self._kernels()[1]
         kv_lens, page_indices, cu_q_lens, num_seqs = meta
-        return lambda q, k_pages, v_pages, off, scales=None: fn(
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: fn(
             q, k_pages, v_pages, kv_lens, page_indices + off, cu_q_lens, num_seqs, scale=scale,
-            **scale_kwargs(scales))
+            **scale_kwargs(scales, window, soft_cap))

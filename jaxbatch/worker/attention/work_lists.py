@@ -55,15 +55,15 @@ class WorkListBackend(AttentionBackend):
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
         item_slot, item_pages, item_first_pos, lengths = meta
-        return lambda q, k_pages, v_pages, off, scales=None: (
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
             xla_paged_attention.paged_decode_attention_xla(
                 q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths,
-                scale=scale, **scale_kwargs(scales)))
+                scale=scale, **scale_kwargs(scales, window, soft_cap)))
 
     def prefill_attend(self, meta, scale):
         """meta = (query_pos [T], tile_pages [T / PREFILL_TILE, P])"""
         query_pos, tile_pages = meta
-        return lambda q, k_pages, v_pages, off, scales=None: (
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
             xla_paged_attention.tiled_prefill_attention_xla(
                 q, k_pages, v_pages, query_pos, tile_pages + off, scale=scale,
-                **scale_kwargs(scales)))
+                **scale_kwargs(scales, window, soft_cap)))

@@ -1,0 +1,161 @@
+"""The decoder every family shares, as pure functions of a params pytree.
+
+Params layout (a plain dict; weights stored [in, out] so `x @ w` reads naturally):
+    embed      [V, d]
+    layers     one dict over layers: vectors stacked on a leading axis L (attn_norm [L, d],
+               mlp_norm [L, d], bq/bk/bv [L, ...] when qkv_bias, bo [L, d] when o_bias,
+               q_norm/k_norm [L, Dh], post_attn_norm/post_mlp_norm [L, d]), and matrices
+               (wq [d, H*Dh], wk/wv [d, K*Dh], wo [H*Dh, d], w_gate/w_up [d, F], w_down [F, d],
+               w_router [d, E]) either stacked too ([L, in, out]) or kept as a tuple of L
+               arrays; expert stacks (we_gate/we_up [L, E, d, F], we_down [L, E, F, d]) are
+               always stacked. Key names: `model/weights.py`.
+    final_norm [d]
+    lm_head    [d, V]   absent when embeddings are tied
+Checkpoint readers produce a list of per-layer dicts; `stack_layers` turns it into this form.
+With int8 weights (`model/quantize.py`) each layer matrix is a dict {"int8", "scale"}, stacked
+or per layer in the same way.
+
+The forward is one layer's computation iterated with `lax.scan`: compiled once, not once per
+layer, which is what makes a 30-layer step compile in about a second instead of ten. What
+differs between a family's layers (the attention window, the RoPE frequencies) is scanned
+per-layer data beside the weights, never a Python branch per layer; what differs between
+families (q/k norms, sandwich norms, experts, soft caps) is static config, so a Llama compiles
+exactly what it did before families existed. Two ways for the scan to reach a layer's matrices:
+  stacked [L, in, out]  (default) the scan slices layer l out of the stack. XLA:GPU feeds such
+                        a slice to its GEMM in place; XLA:CPU copies it first (every weight,
+                        every step: about +20 ms on a 16-row SmolLM2 decode step).
+  tuple of L arrays     (JAXBATCH_WEIGHT_LAYOUT=per_layer) each matmul is a `lax.switch` over
+                        the L weights, whose chosen branch reads its weight where it lies: no
+                        copy, 15-20 % faster decode-only steps on CPU, but tracing 30 branches
+                        per matmul makes warm-up's tracing 3x slower (a second start 26 s
+                        instead of 13.5 s), and on the mixed benchmark workload (3 prompt
+                        tokens per output token) throughput was the same (92-94 vs 91-93
+                        tok/s). On a GPU a switch would also sync the host.
+
+The KV pool is one (k_pages, v_pages) pair, each [num_kv_heads, L * num_blocks, block_size,
+head_dim], plus (k_scales, v_scales) [num_kv_heads, L * num_blocks, block_size] when the pages
+are int8 (`pallas_kernels/int8.py`): layer l's block b is row l * num_blocks + b. Folding the
+layer into the block axis lets the scan carry the whole pool and update it in place (a scatter
+into the carry), while every attention kernel still sees the plain one-layer layout
+[KVH, blocks, block_size, Dh]: a layer only shifts its block ids by l * num_blocks. Block 0 of
+each layer is that layer's null block.
+Attention is injected as `attend(q, k_pages, v_pages, block_offset, ...)` (`layers.AttendFn`),
+so the same forward runs a decode step, a prefill chunk, the plain-jnp reference or a Pallas
+kernel.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.model import precision
+from jaxbatch.model.config import NO_WINDOW, ModelConfig
+from jaxbatch.model.layers import (AttendFn, _dense, attention_block, mlp_block, moe_block,
+                                   rms_norm, unsharded)
+from jaxbatch.model.quantize import is_quantized
+
+# A window no sequence reaches: what a full layer of a windowed model attends with.
+UNBOUNDED_WINDOW = 1 << 30
+
+
+def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
+    """Per-layer dicts -> the layers dict above (idempotent). `matrices_per_layer` keeps the
+    2-D matrices as a tuple of L arrays; None: only if JAXBATCH_WEIGHT_LAYOUT=per_layer (see
+    the module doc). Vectors and expert stacks are always stacked. Numpy or jax arrays."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    if matrices_per_layer is None:
+        matrices_per_layer = os.environ.get("JAXBATCH_WEIGHT_LAYOUT") == "per_layer"
+    stack = np.stack if isinstance(jax.tree.leaves(layers)[0], np.ndarray) else jnp.stack
+    out = {}
+    for name in layers[0]:
+        per_layer = [layer[name] for layer in layers]
+        quantized = is_quantized(per_layer[0])
+        is_matrix = (per_layer[0]["int8"] if quantized else per_layer[0]).ndim == 2
+        if is_matrix and matrices_per_layer:
+            out[name] = tuple(per_layer)
+        elif quantized:                          # int8 matrix: stack its values and its scales
+            out[name] = {part: stack([w[part] for w in per_layer]) for part in per_layer[0]}
+        else:
+            out[name] = stack(per_layer)
+    return {**params, "layers": out}
+
+
+def num_layers_of(params: dict) -> int:
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return len(layers)
+    return layers["attn_norm"].shape[0]
+
+
+def _per_layer_data(cfg: ModelConfig, num_layers: int, inv_freq) -> dict:
+    """What the scan hands each layer besides its weights: its RoPE frequencies [L, R/2] and,
+    for models with windows, its window [L] (full layers: a window no sequence reaches)."""
+    inv_freq = jnp.asarray(inv_freq)
+    if inv_freq.ndim == 1:
+        inv_freq = jnp.broadcast_to(inv_freq, (num_layers,) + inv_freq.shape)
+    data = {"inv_freq": inv_freq}
+    if cfg.layer_windows is not None:
+        data["window"] = jnp.asarray([UNBOUNDED_WINDOW if w == NO_WINDOW else w
+                                      for w in cfg.layer_windows], jnp.int32)
+    return data
+
+
+def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
+                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded):
+    """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
+    kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh], plus (k_scales, v_scales) [KVH, L * N, bs]
+    for an int8 pool; inv_freq [R/2] (every layer) or [L, R/2] (`rope.inverse_frequencies`)
+    -> (final-normed hidden [T, d], new pool of the same structure).
+
+    `per_shard(fn)` runs the KV write and attention, `fn(q, k, v, *pool)`, once per
+    tensor-parallel shard of the heads (`jaxbatch/parallel/sharding.py`: a `jax.shard_map`,
+    since kernels are opaque to automatic sharding); on one device it is the identity."""
+    params = stack_layers(params)
+    num_layers = num_layers_of(params)
+    blocks_per_layer = kv_pool[0].shape[1] // num_layers
+    # Stacked arrays are scanned over (sliced per layer); per-layer tuples are closed over
+    # whole and picked by index inside each matmul.
+    per_layer = {k: v for k, v in params["layers"].items() if isinstance(v, tuple)}
+    stacked = {k: v for k, v in params["layers"].items() if not isinstance(v, tuple)}
+    x = params["embed"][tokens]                                               # [T, d]
+    if cfg.embed_scale is not None:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    ffn = moe_block if cfg.num_experts else mlp_block
+
+    def one_layer(carry, xs):
+        x, pool = carry
+        layer, data, index = xs
+        layer = {**layer, **per_layer}
+        h, pool = attention_block(
+            layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset), positions, slot_mapping,
+            pool, index, index * blocks_per_layer, attend, data["inv_freq"],
+            data.get("window"), per_shard)
+        if cfg.sandwich_norm:
+            h = rms_norm(h, layer["post_attn_norm"], eps, offset)
+        x = x + h
+        h = ffn(layer, cfg, rms_norm(x, layer["mlp_norm"], eps, offset), index)
+        if cfg.sandwich_norm:
+            h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
+        return (x + h, pool), None
+
+    xs = (stacked, _per_layer_data(cfg, num_layers, inv_freq),
+          jnp.arange(num_layers, dtype=jnp.int32))
+    (x, pool), _ = jax.lax.scan(one_layer, (x, tuple(kv_pool)), xs)
+    return rms_norm(x, params["final_norm"], eps, offset), pool
+
+
+def compute_logits(params, hidden, cfg: ModelConfig | None = None):
+    """hidden [N, d] -> float32 logits [N, V], soft-capped where the model says so (Gemma 2;
+    `cfg` None: no cap)."""
+    logits = precision.logits(params, hidden)        # float32, never a transposed copy
+    cap = None if cfg is None else cfg.final_soft_cap
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    return logits

@@ -1,0 +1,129 @@
+"""Layers every family is built from: the one matmul, norms, activations, the attention block
+(q/k norms, RoPE, KV write, paged attention), the dense MLP and the routed MoE block.
+
+Every weight matmul goes through `_dense` (or `_matmul`, its per-layer-layout front): the
+dtype policy of the dots (int8 weights, bf16 x bf16 with float32 accumulation) is decided in
+that one place for every family.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxbatch.model import precision
+from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.quantize import int8_matmul, is_quantized
+from jaxbatch.model.rope import apply_rope
+from pallas_kernels.int8 import write_kv_int8
+from pallas_kernels.reference import write_kv_ref
+
+# attend(q [T, H, Dh], k_pages, v_pages, block_offset int32 scalar, scales=None, window=None,
+#        soft_cap=None) -> [T, H, Dh]; window and soft_cap are passed only by models with them.
+AttendFn = Callable[..., jnp.ndarray]
+
+
+def _dense(x, weight):
+    """Every matmul of the model: int8 weights, or the dtype policy of `precision.dense`."""
+    return int8_matmul(x, weight) if is_quantized(weight) else precision.dense(x, weight)
+
+
+def _matmul(x, weight, index):
+    """x @ this layer's weight: `weight` is the layer's [in, out] slice (stacked layout) or the
+    tuple of every layer's weight (per-layer layout, chosen by `index`); int8 or float."""
+    if not isinstance(weight, tuple):
+        return _dense(x, weight)
+    if len(weight) == 1:
+        return _dense(x, weight[0])
+    return jax.lax.switch(index, [lambda x, w=w: _dense(x, w) for w in weight], x)
+
+
+def unsharded(fn):
+    """`forward_hidden`'s per_shard on one device: run fn as it is."""
+    return fn
+
+
+def rms_norm(x, weight, eps, offset: float = 0.0):
+    """Scales by (offset + weight): Gemma stores w with offset 1 meaning identity."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
+    return (normed * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
+
+
+def activation(gate, kind: str):
+    g32 = gate.astype(jnp.float32)
+    if kind == "gelu_tanh":                 # torch's gelu(approximate="tanh")
+        return jax.nn.gelu(g32, approximate=True).astype(gate.dtype)
+    return (gate * (1.0 / (1.0 + jnp.exp(-g32)))).astype(gate.dtype)
+
+
+def write_kv_pool(pool: tuple, k, v, slot_mapping) -> tuple:
+    """Scatters k, v [T, KVH, Dh] into a float pool (k, v) or an int8 pool (k, v, k_scales,
+    v_scales), quantizing on the way in."""
+    if len(pool) == 2:
+        return write_kv_ref(*pool, k, v, slot_mapping)
+    return write_kv_int8(*pool, k, v, slot_mapping)
+
+
+def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, index,
+                    block_offset, attend, inv_freq, window, per_shard):
+    """`window`: this layer's int32 scalar from the scan, or None for models without one."""
+    num_tokens = x.shape[0]
+    q = _matmul(x, layer["wq"], index)
+    k = _matmul(x, layer["wk"], index)
+    v = _matmul(x, layer["wv"], index)
+    if cfg.qkv_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)                    # [T, H, Dh]
+    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)                 # [T, K, Dh]
+    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    extra = {}
+    if window is not None:
+        extra["window"] = window
+    if cfg.attn_soft_cap is not None:
+        extra["soft_cap"] = float(cfg.attn_soft_cap)
+
+    def write_and_attend(q, k, v, *pool):
+        # Write first: this step's tokens attend to themselves through the pool.
+        block_size = pool[0].shape[2]
+        pool = write_kv_pool(pool, k, v, slot_mapping + block_offset * block_size)
+        scales = pool[2:] if len(pool) == 4 else None
+        return (attend(q, pool[0], pool[1], block_offset, scales=scales, **extra),) + tuple(pool)
+
+    out, *pool = per_shard(write_and_attend)(q, k, v, *pool)                  # [T, H, Dh]
+    pool = tuple(pool)
+    out = _matmul(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer["wo"], index)
+    if cfg.o_bias:
+        out = out + layer["bo"]
+    return out, pool
+
+
+def mlp_block(layer, cfg: ModelConfig, x, index):
+    gate = _matmul(x, layer["w_gate"], index)
+    up = _matmul(x, layer["w_up"], index)
+    return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index)
+
+
+def moe_block(layer, cfg: ModelConfig, x, index):
+    """Routed experts, computed densely: every expert runs on every token and the router's
+    top-k weights (zero elsewhere) combine them. E / k times the FLOPs of a sparse dispatch,
+    but one fixed shape, no sort or gather, and each expert's matmul is `_dense` like any
+    other (measured against `jax.lax.ragged_dot` in tests/model/README's numbers)."""
+    logits = _matmul(x, layer["w_router"], index).astype(jnp.float32)          # [T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)               # [T, k]
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    combine = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32)
+                      * top_w[..., None], axis=1)                              # [T, E]
+    per_expert = jax.vmap(_dense, in_axes=(None, 0))                           # -> [E, T, out]
+    gate = per_expert(x, layer["we_gate"])                                     # [E, T, F]
+    up = per_expert(x, layer["we_up"])
+    down = jax.vmap(_dense)(activation(gate, cfg.hidden_act) * up, layer["we_down"])  # [E, T, d]
+    return jnp.einsum("te,etd->td", combine.astype(x.dtype), down)
