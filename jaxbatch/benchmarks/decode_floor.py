@@ -42,7 +42,7 @@ from jaxbatch.benchmarks.observer import LastPlan, observe
 from jaxbatch.benchmarks.report import table
 from jaxbatch.worker import attention, runner as runner_mod, sampler
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.model import llama
+from jaxbatch.model import layers, llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import apply_rope
 
@@ -84,7 +84,7 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
             out = q   # "matmuls only": same shapes, no attention work
         x = x + out.reshape(b, -1) @ layer["wo"]
         h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + llama._mlp_block(layer, h, 0)   # per-layer weights: index unused
+        x = x + layers.mlp_block(layer, cfg, h, 0)   # per-layer weights: index unused
         new_caches.append((k_cache, v_cache))
     x = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return jnp.argmax(llama.compute_logits(params, x), axis=-1), tuple(new_caches)
@@ -94,7 +94,7 @@ def paged_greedy(params, pool, tokens, positions, slot_mapping, attn_meta, *, cf
                  backend):
     """The engine's paged forward (its attention backend), ending in argmax instead of the
     sampler."""
-    attend = attention.get_backend(backend).decode_attend(attn_meta, cfg.head_dim ** -0.5)
+    attend = backend.decode_attend(attn_meta, cfg.attention_scale)   # a worker.attention backend
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq)
     return jnp.argmax(llama.compute_logits(params, hidden), axis=-1), pool
