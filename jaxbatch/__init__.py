@@ -5,10 +5,10 @@ policies.py, plan.py) -> runner.py (with sampler.py, attention.py, kv_cache.py) 
 The host-side modules import no JAX; `import jaxbatch` stays light until LLM is used.
 """
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics"]
+           "RequestMetrics", "StructuredOutputsParams"]
 
 
 def __getattr__(name):

@@ -34,6 +34,7 @@ from jaxbatch.worker.sampler import MAX_BANNED
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import Scheduler
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
+from jaxbatch.structured.manager import StructuredOutputManager
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -169,6 +170,8 @@ class LLMEngine:
                              "max_model_len, prefill chunk size, kv_cache_dtype and "
                              "quantization as this engine")
         self.runner = runner
+        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, eos)
         verify_keys_added = False
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -266,6 +269,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer")
+        self.structured.check(params)      # structured outputs: the grammar compiles
         return text, ids, params
 
     def _create_sequences(self, request_id, text, ids, params, priority, now) -> None:
@@ -285,6 +289,7 @@ class LLMEngine:
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
+            self.structured.add(seq)           # structured outputs: its matcher
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -296,6 +301,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._seqs.pop(seq.seq_id, None)
+                self.structured.remove(seq.seq_id)
             self._pending_outputs.append(state.make_output())
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -322,7 +328,9 @@ class LLMEngine:
         step's tokens, so outputs come one step behind the device."""
         outputs, self._pending_outputs = self._pending_outputs, []
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and self.scheduler.needs_tokens_to_plan(in_flight.plan, self._seqs):
+        # (structured outputs: a grammar row's mask needs its matcher advanced by the last token)
+        if in_flight is not None and (self.scheduler.needs_tokens_to_plan(in_flight.plan, self._seqs)
+                                      or any(self.structured.has(i) for i in in_flight.plan.sampling)):
             outputs += self._finish_step(in_flight)
             in_flight = None
         dispatched = None
@@ -354,7 +362,9 @@ class LLMEngine:
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
-        dispatched = self.runner.dispatch(plan, next_tokens)
+        # Structured outputs: the matchers fill each call's bitmask while its model call runs.
+        dispatched = self.runner.dispatch(plan, next_tokens, self.structured.fill_bitmask
+                                          if self.structured.num_sequences else None)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
@@ -370,6 +380,7 @@ class LLMEngine:
         outputs = []
         touched: dict[str, RequestState] = {}
         for seq in advanced:
+            self.structured.advance(seq)       # structured outputs: the matcher takes the token
             state = self._requests[seq.request_id]
             state.apply_stop_strings(seq, self.tokenizer, self.scheduler.finish)
             touched[seq.request_id] = state
@@ -379,6 +390,7 @@ class LLMEngine:
                 del self._requests[rid]
                 for seq in state.seqs:
                     self._seqs.pop(seq.seq_id, None)
+                    self.structured.remove(seq.seq_id)
         return outputs
 
     # ---- introspection -------------------------------------------------------------------
@@ -414,4 +426,10 @@ class LLMEngine:
             "spec_num_accepted_tokens": counters.num_accepted_tokens,
             "spec_accepted_per_position": list(counters.accepted_per_position),
             "spec_mean_accepted_length": counters.mean_accepted_length,
+            # structured outputs (jaxbatch/structured/manager.py)
+            "structured_compile_seconds": self.structured.compile_seconds,
+            "structured_mask_seconds": self.structured.mask_seconds,
+            "structured_num_mask_fills": self.structured.num_mask_fills,
+            "structured_num_sequences": self.structured.num_sequences,
+            "structured_num_rejected_tokens": self.structured.num_rejected_tokens,
         }
