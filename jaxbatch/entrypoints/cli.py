@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--coordinator-address", default=None,
                    help="HOST:PORT of process 0's jax.distributed coordinator")
     s.add_argument("--log-level", default="info")
+    # Tool calls parsed from free text (tool_choice "auto"): entrypoints/openai/tool_parsers.py
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"])
     return ap
 
 
@@ -136,9 +140,13 @@ def serve(args) -> int:
             server.should_exit = True
 
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
                     api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
-                    on_engine_dead=on_engine_dead)
+                    on_engine_dead=on_engine_dead,
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, app.state.llm, args.shutdown_timeout)

@@ -68,13 +68,13 @@ def _version() -> str:
 
 def build_app(engine_factory, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None, max_queued_requests: int | None = None,
-              on_engine_dead=None) -> FastAPI:
+              on_engine_dead=None, tool_parser: str | None = None) -> FastAPI:
     """`engine_factory()` builds the LLMEngine on the engine thread (after the port is bound).
     `on_engine_dead(exc)` is called on the event loop if the engine thread dies."""
     metrics = ServerMetrics(served_model_name)
     llm = AsyncLLM(engine_factory, max_queued_requests=max_queued_requests, metrics=metrics,
                    on_dead=on_engine_dead)
-    serving = OpenAIServing(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, tool_parser)   # tool_parser: tool_choice "auto"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

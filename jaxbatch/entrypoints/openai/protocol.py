@@ -70,6 +70,16 @@ class _SamplingRequest(_Model):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None      # prefix caching: only equal salts share cached blocks
+    # Structured outputs (entrypoints/openai/structured.py reads these; guided_* answer 400
+    # naming their replacement).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour."""
@@ -122,6 +132,8 @@ class ChatMessage(_Model):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a "tool" message's answer to one
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -133,10 +145,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None    # (structured.py)
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self):
-        if self.tools:
-            return "tools", "tool calling is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         for m in self.messages:
@@ -151,7 +163,12 @@ class ChatCompletionRequest(_SamplingRequest):
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content or ""}
+            if m.tool_calls is not None:      # templates render earlier calls and answers
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
 
@@ -231,6 +248,11 @@ class ChatLogProbs(_Model):
 class ChatMessageOut(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None    # [{"id", "type", "function": {"name", "arguments"}}]
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("tool_calls",))
 
 
 class ChatChoice(_Model):
@@ -253,10 +275,11 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # [{"index", "id"?, "type"?, "function": {...}}]
 
     @model_serializer(mode="wrap")
     def _ser(self, handler):   # OpenAI's deltas carry only the keys that changed
-        return _drop_none(handler, self, ("role", "content"))
+        return _drop_none(handler, self, ("role", "content", "tool_calls"))
 
 
 class ChatStreamChoice(_Model):

@@ -24,6 +24,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from jaxbatch.entrypoints.openai import protocol as P
+from jaxbatch.entrypoints.openai import structured as S
 from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
@@ -47,6 +48,14 @@ def _checked_params(req, max_tokens, logprobs):
         return req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise _params_error(e) from None
+
+
+def _constrained(req, params, tool_parser, chat):
+    """Structured outputs and tools (structured.py): (tool plan, constraining field); 400s."""
+    try:
+        return S.apply_constraint(req, params, tool_parser, chat)
+    except S.BadRequest as e:
+        raise APIError(400, str(e), e.param) from None
 
 
 def _params_error(e: ValueError, param: str | None = None) -> APIError:
@@ -133,8 +142,9 @@ async def merge(streams):
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str):
-        self.llm, self.model_name = llm, served_model_name
+    def __init__(self, llm: AsyncLLM, served_model_name: str, tool_parser: str | None = None):
+        """`tool_parser`: the --tool-call-parser of tool_choice "auto" (None: auto refused)."""
+        self.llm, self.model_name, self.tool_parser = llm, served_model_name, tool_parser
         self._token_strings: dict[int, str] = {}
 
     # ---- shared steps ----------------------------------------------------------------------
@@ -165,9 +175,10 @@ class OpenAIServing:
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         try:
+            extra = {"tools": req.tools} if req.tools else {}     # templates show the tools
             p = tok.apply_chat_template(req.conversation(), tokenize=True, return_dict=False,
                                         add_generation_prompt=req.add_generation_prompt,
-                                        **(req.chat_template_kwargs or {}))
+                                        **extra, **(req.chat_template_kwargs or {}))
         except Exception as e:   # noqa: BLE001 - a template that rejects these messages
             raise APIError(400, f"chat template failed: {e}", "messages") from None
         return list(p["input_ids"]) if hasattr(p, "keys") else list(p)
@@ -203,6 +214,8 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
             if isinstance(e, ValueError):
+                if str(e).startswith("structured_outputs:"):    # the grammar did not compile
+                    raise APIError(400, str(e), param) from None
                 raise _params_error(e, param) from None
             raise
         return base, streams
@@ -243,37 +256,42 @@ class OpenAIServing:
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
                 else req.max_tokens
             params = _checked_params(req, max_tokens, k)
+            tools, field = _constrained(req, params, self.tool_parser, chat=True)
             ids = await self.llm.run_in_pool(self.render_chat, req)
             rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
-                                             "messages", arrival)
+                                             field or "messages", arrival)
             if req.stream:
                 handed_off = True
-                return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket))
-            return await self._chat_full(req, rid, streams[0], len(ids))
+                return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket, tools))
+            return await self._chat_full(req, rid, streams[0], len(ids), tools)
         finally:
             if not handed_off:
                 ticket.release()
 
-    async def _chat_full(self, req, rid, stream, n_prompt):
+    async def _chat_full(self, req, rid, stream, n_prompt, tools=None):
         final = None
         try:
             async for out in stream:
                 final = out
         finally:
             stream.abort()
-        choices = [P.ChatChoice(
-            index=c.index, message=P.ChatMessageOut(content=c.text),
-            logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = S.chat_message(c.text, c.finish_reason, tools)
+            choices.append(P.ChatChoice(
+                index=c.index, message=P.ChatMessageOut(**message),
+                logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=finish_reason, stop_reason=c.stop_reason))
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens))
 
-    async def _chat_stream(self, req, rid, stream, n_prompt, ticket):
+    async def _chat_stream(self, req, rid, stream, n_prompt, ticket, tools=None):
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
                                                      model=self.model_name, choices=[choice])
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
+        tool_streams = [S.ToolStream(tools) for _ in range(n)] if tools else None
         cached = 0
         try:
             for i in range(n):   # OpenAI opens every choice with the role
@@ -286,11 +304,19 @@ class OpenAIServing:
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
+                    finish_reason = c.finish_reason
+                    if tool_streams is not None:   # tool calls (structured.py): maybe held back
+                        fields, finish_reason = tool_streams[i].delta(c.text, fin, c.finish_reason)
+                        if fields is None and not fin:
+                            continue
+                        message = P.DeltaMessage(**(fields or {}))
+                    else:
+                        message = P.DeltaMessage(content=delta or (None if fin else ""))
                     lp = self._chat_logprobs(c, sent_tok[i], k) if req.logprobs else None
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
                     yield sse(chunk(P.ChatStreamChoice(
-                        index=i, delta=P.DeltaMessage(content=delta or (None if fin else "")),
-                        logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                        index=i, delta=message, logprobs=lp, finish_reason=finish_reason,
+                        stop_reason=c.stop_reason)))
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), cached)
                 yield sse(P.ChatCompletionChunk(id=rid, created=created, model=self.model_name,
@@ -310,9 +336,10 @@ class OpenAIServing:
         handed_off = False
         try:
             params = _checked_params(req, req.max_tokens, req.logprobs)
+            _, field = _constrained(req, params, None, chat=False)
             prompts = await self.llm.run_in_pool(self.render_prompts, req.prompt)
-            rid, streams = await self._start("cmpl", prompts, params, req.priority, "prompt",
-                                             arrival)
+            rid, streams = await self._start("cmpl", prompts, params, req.priority,
+                                             field or "prompt", arrival)
             n_prompt = sum(len(p) for p in prompts)
             if req.stream:
                 handed_off = True
