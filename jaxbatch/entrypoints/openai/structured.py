@@ -70,8 +70,9 @@ def _function(tool, k: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
             or not isinstance(tool.get("function"), dict) \
             or not isinstance(tool["function"].get("name"), str):
-        raise BadRequest(f"tools[{k}] must be {{'type': 'function', 'function': {{'name', "
-                         "'parameters'}}}", "tools")
+        raise BadRequest(f"tools[{k}] must be a function tool: "
+                         "{'type': 'function', 'function': {'name': ..., 'parameters': ...}}",
+                         "tools")
     params = tool["function"].get("parameters")
     if params is not None and not isinstance(params, dict):
         raise BadRequest(f"tools[{k}].function.parameters must be a JSON schema object", "tools")
