@@ -129,6 +129,14 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "must be a StructuredOutputsParams or None")
             self.structured_outputs._validate()
+            # Both fight the grammar over EOS: held back where it is the only allowed token,
+            # or sampled past the grammar's end.
+            if self.min_tokens:
+                fail("min_tokens", "must be 0 with structured_outputs (the grammar decides "
+                                   "where the output may end)")
+            if self.ignore_eos:
+                fail("ignore_eos", "must be False with structured_outputs (the grammar decides "
+                                   "where the output may end)")
 
     @property
     def greedy(self) -> bool:

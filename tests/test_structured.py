@@ -71,6 +71,39 @@ def test_params_shape():
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
+    for conflicting in (dict(min_tokens=2), dict(ignore_eos=True)):
+        with pytest.raises(ValueError, match=next(iter(conflicting))):
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"), **conflicting)
+
+
+def test_preemption_feeds_no_token_twice(llm):
+    """A recompute preemption keeps the tokens and drops the KV: the matcher, counting what it
+    consumed, takes nothing again; and it refuses nothing along the way."""
+    from jaxbatch.core.plan import PENDING_TOKEN
+    from jaxbatch.core.request import Sequence
+    engine = llm.llm_engine
+    manager = engine.structured
+    tok = llm.get_tokenizer()
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["abc-def"]))
+    seq = Sequence(10 ** 6, "preempted", 0, [1, 2, 3], params, 0, 0.0, 0, 0)
+    manager.add(seq)
+    try:
+        ids = tok.encode("abc-def", add_special_tokens=False)
+        seq.output_token_ids += ids[:1] + [PENDING_TOKEN]
+        manager.advance(seq)                          # the pending token is not fed
+        assert manager._seqs[seq.seq_id].consumed == 1
+        seq.output_token_ids[-1:] = ids[1:]
+        manager.advance(seq)
+        seq.num_computed_tokens = 0                   # what Scheduler._preempt does to it
+        manager.advance(seq)
+        manager.advance(seq)
+        assert manager._seqs[seq.seq_id].consumed == len(ids)
+        assert manager.num_rejected_tokens == 0
+        eos = engine.eos_token_ids[0]
+        assert manager.is_allowed(seq.seq_id, eos)    # the choice is complete: EOS allowed
+        assert not manager.is_allowed(seq.seq_id, ids[0])
+    finally:
+        manager.remove(seq.seq_id)
 
 
 @pytest.mark.parametrize("so, message", [
