@@ -187,6 +187,8 @@ class LLMEngine:
         # Host/device overlap: the step on the device while the host plans the next one.
         self.async_scheduling = bool(async_scheduling)
         self._in_flight = None
+        self._unread = None                # structured outputs: see _fill_bitmask
+        self._read_early: list[RequestOutput] = []
         self.device_wait_seconds = 0.0     # time the host spent waiting for step results
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
@@ -328,9 +330,7 @@ class LLMEngine:
         step's tokens, so outputs come one step behind the device."""
         outputs, self._pending_outputs = self._pending_outputs, []
         in_flight, self._in_flight = self._in_flight, None
-        # (structured outputs: a grammar row's mask needs its matcher advanced by the last token)
-        if in_flight is not None and (self.scheduler.needs_tokens_to_plan(in_flight.plan, self._seqs)
-                                      or any(self.structured.has(i) for i in in_flight.plan.sampling)):
+        if in_flight is not None and self.scheduler.needs_tokens_to_plan(in_flight.plan, self._seqs):
             outputs += self._finish_step(in_flight)
             in_flight = None
         dispatched = None
@@ -342,8 +342,12 @@ class LLMEngine:
                 self.runner.pool_owner = self
             plan = self.scheduler.schedule()
             if not plan.empty:
+                self._unread = in_flight     # (structured outputs: may be read mid-dispatch)
                 dispatched = self._dispatch(plan)
                 self.num_overlapped_steps += in_flight is not None
+                in_flight, self._unread = self._unread, None
+                outputs += self._read_early
+                self._read_early = []
         if in_flight is not None:
             outputs += self._finish_step(in_flight)
         if dispatched is not None:
@@ -363,13 +367,25 @@ class LLMEngine:
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
         # Structured outputs: the matchers fill each call's bitmask while its model call runs.
-        dispatched = self.runner.dispatch(plan, next_tokens, self.structured.fill_bitmask
+        dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask
                                           if self.structured.num_sequences else None)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
                               blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
         return dispatched
+
+    def _fill_bitmask(self, rows) -> np.ndarray | None:
+        """Structured outputs, as vLLM overlaps them: the runner calls this with a call's forward
+        already on the device; only then is the previous step read (its tokens advance the
+        matchers), and the mask its sampling needs filled. Steps without grammar rows never
+        wait here."""
+        if self._unread is not None and any(r is not None and self.structured.has(r.seq_id)
+                                            for r in rows):
+            unread, self._unread = self._unread, None
+            self._read_early += self._finish_step(unread)
+            self.structured.num_overlapped_fills += 1
+        return self.structured.fill_bitmask(rows)
 
     def _finish_step(self, dispatched) -> list[RequestOutput]:
         """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""
@@ -430,6 +446,7 @@ class LLMEngine:
             "structured_compile_seconds": self.structured.compile_seconds,
             "structured_mask_seconds": self.structured.mask_seconds,
             "structured_num_mask_fills": self.structured.num_mask_fills,
+            "structured_num_overlapped_fills": self.structured.num_overlapped_fills,
             "structured_num_sequences": self.structured.num_sequences,
             "structured_num_rejected_tokens": self.structured.num_rejected_tokens,
         }

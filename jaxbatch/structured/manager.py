@@ -11,9 +11,11 @@ Lifecycle, as the engine drives it:
   remove(seq_id)         when the request ends or is aborted
 
 Matchers count the output tokens they consumed, so a recompute preemption (which keeps the
-tokens) feeds nothing twice; grammar rows are planned only from read tokens
-(`needs_tokens_to_plan`) and are never speculated, so a matcher never sees a token that could
-be taken back (`rollback` exists for callers that do).
+tokens) feeds nothing twice. With host/device overlap, a step with grammar rows is planned and
+its forward dispatched before the previous step is read; the engine reads it when the runner
+asks for the mask (LLMEngine._fill_bitmask), so only the sampling waits. Grammar requests are
+never speculated, so a matcher never sees a token that could be taken back (`rollback` exists
+for callers that would).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class StructuredOutputManager:
         self.compile_seconds = 0.0   # tokenizer build + grammar compiles
         self.mask_seconds = 0.0      # advancing matchers + filling masks
         self.num_mask_fills = 0      # model calls that carried a bitmask
+        self.num_overlapped_fills = 0  # of which filled while their forward ran (engine's count)
         self.num_rejected_tokens = 0  # tokens a matcher refused (a bug if ever > 0)
 
     @property
