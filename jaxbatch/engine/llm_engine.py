@@ -366,9 +366,12 @@ class LLMEngine:
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
-        # Structured outputs: the matchers fill each call's bitmask while its model call runs.
-        dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask
-                                          if self.structured.num_sequences else None)
+        # Structured outputs: the matchers fill each call's bitmask while its model call runs
+        # (the plain call otherwise, as wrappers of runner.dispatch expect).
+        if self.structured.num_sequences:
+            dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask)
+        else:
+            dispatched = self.runner.dispatch(plan, next_tokens)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),

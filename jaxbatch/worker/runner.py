@@ -266,7 +266,8 @@ class ModelRunner:
         if plan.decodes:
             calls.append(self.layout.decode_call(plan))
         # Dispatch every call before reading anything back.
-        pending = [(call, self._dispatch(call, bitmask_fn)) for call in calls]
+        pending = [(call, self._dispatch(call, bitmask_fn) if bitmask_fn else self._dispatch(call))
+                   for call in calls]
         return DispatchedStep(plan, next_tokens, pending, time.perf_counter() - start)
 
     def collect(self, step: "DispatchedStep") -> StepResult:
