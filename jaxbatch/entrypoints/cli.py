@@ -128,7 +128,11 @@ def serve(args) -> int:
 
     def engine_factory():   # runs on the engine thread, after the port is bound
         from jaxbatch.engine.llm_engine import LLMEngine
-        return LLMEngine(model, **kwargs)
+        engine = LLMEngine(model, **kwargs)
+        structured = getattr(engine, "structured", None)   # (replicas' engines have their own)
+        if structured is not None:
+            structured.prepare_in_background()              # structured outputs' tokenizer
+        return engine
 
     failed = []
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 
 import numpy as np
@@ -48,6 +49,7 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer = None      # llguidance's, built on the first grammar (0.4-1.2 s)
         self._executor = None
+        self._building = threading.Lock()
         self._compiled: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._seqs: dict[int, _SeqMatcher] = {}
         self.compile_seconds = 0.0   # tokenizer build + grammar compiles
@@ -60,17 +62,25 @@ class StructuredOutputManager:
     def words(self) -> int:
         return (self.vocab_size + 31) // 32
 
+    def prepare_in_background(self) -> None:
+        """Builds llguidance's tokenizer on a thread of its own (a server calls this once the
+        engine is up), so the first grammar request does not stall every stream for it."""
+        if self._hf_tokenizer is not None:
+            threading.Thread(target=self._ll_tokenizer, name="llguidance-tokenizer",
+                             daemon=True).start()
+
     def _ll_tokenizer(self):
-        if self._tokenizer is None:
-            if self._hf_tokenizer is None:
-                raise ValueError("structured outputs need a tokenizer; this engine has none")
-            import llguidance
-            import llguidance.hf
-            start = time.perf_counter()
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-            self._executor = llguidance.LLExecutor(num_threads=1)
-            self.compile_seconds += time.perf_counter() - start
+        with self._building:
+            if self._tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer; this engine has none")
+                import llguidance
+                import llguidance.hf
+                start = time.perf_counter()
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                self._executor = llguidance.LLExecutor(num_threads=1)
+                self.compile_seconds += time.perf_counter() - start
         return self._tokenizer
 
     # ---- requests --------------------------------------------------------------------------
