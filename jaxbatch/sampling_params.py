@@ -67,8 +67,7 @@ class SamplingParams:
     # Speculative decoding (when the engine has it): False keeps this request to one token a
     # step. The tokens are the same either way.
     speculate: bool = True
-    # A grammar the output must follow (jaxbatch/structured/); such a request is never
-    # speculated (its matcher only advances over sampled tokens).
+    # A grammar the output must follow (jaxbatch/structured/).
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):

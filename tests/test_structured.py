@@ -191,26 +191,71 @@ def test_mixed_batch_free_requests_unchanged(llm):
 
 
 def test_speculation_and_prefix_cache_keep_outputs_valid(llm, embedded):
-    """Constrained requests are not speculated (their mask needs the last token read); free
-    neighbours are, and the prefix cache serves the shared prompt."""
+    """Constrained requests are speculated too: each verification row samples under the
+    grammar after the proposals before it, rejected ones never reach the matcher. The prefix
+    cache serves the shared prompt."""
     spec = LLMEngine(loaded=embedded, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
                      runner=llm.llm_engine.runner,
                      speculative_config={"method": "ngram", "num_speculative_tokens": 3},
                      prefix_cache_granularity="block")
-    prompt = chat_prompt(llm, "Repeat after me: one two three one two three one two three.")
+    prompt = chat_prompt(llm, 'Repeat this JSON exactly: {"name":"Bob","age":30,'
+                              '"tags":["red","blue"]} and again {"name":"Bob","age":30,'
+                              '"tags":["red","blue"]}')
     spec_llm = LLM.from_engine(spec)
     spec_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    params = [so_params(s, json=PERSON) for s in (7, 8)] + [
-        SamplingParams(temperature=0, max_tokens=24)]
-    outs = spec_llm.generate([prompt] * 3, params, use_tqdm=False)
-    for out in outs[:2]:
+    so = StructuredOutputsParams(json=PERSON)
+    params = [so_params(0, temperature=0, json=PERSON), so_params(9, json=PERSON)]
+    outs = spec_llm.generate([prompt] * 2, params, use_tqdm=False)
+    for out in outs:
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+        replay_allowed(llm, so, out.outputs[0].token_ids, spec.eos_token_ids)
     stats = spec.stats()
-    assert stats["spec_num_draft_tokens"] > 0
+    # only constrained requests ran: their proposals were verified, some accepted
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["structured_num_rejected_tokens"] == 0
+    free = spec_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert free[0].outputs[0].token_ids == llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].token_ids
+    stats = spec.stats()
     assert stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_compilations_after_warmup"] == 0
+
+
+def test_verification_rows_get_the_masks_after_the_proposals_before_them(llm):
+    """Each row's mask equals a fresh matcher's after the proposals before it; rows past a
+    proposal the grammar refuses stay all ones; the matcher is left where it was."""
+    import llguidance.numpy as lln
+    from jaxbatch.core.plan import SamplingRow
+    from jaxbatch.core.request import Sequence
+    manager = llm.llm_engine.structured
+    tok = llm.get_tokenizer()
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"[0-9]+x"))
+    one, two, x, three = (tok.encode(t, add_special_tokens=False)[0] for t in ("1", "2", "x", "3"))
+    seq = Sequence(10 ** 6 + 1, "drafted", 0, [1, 2], params, 0, 0.0, 0, 0)
+    manager.add(seq)
+    try:
+        row = lambda pos: SamplingRow(seq.seq_id, 0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, pos, 2,  # noqa: E731
+                                      [], [], None)
+        rows = [None, row(2), row(3), row(4), row(5), row(6)]
+        drafts = [one, two, x, three]             # 3 is refused after "12x": row 6 free
+        mask = manager.fill_bitmask(rows, {seq.seq_id: drafts})
+        fresh = manager._compile(params).deep_copy()
+        expect = lln.allocate_token_bitmask(1, manager.vocab_size)
+        for j, tokens in enumerate([[], [one], [one, two], [one, two, x]]):
+            m = fresh.deep_copy()
+            assert m.consume_tokens(tokens)
+            lln.fill_next_token_bitmask(m, expect, 0)
+            assert (mask[1 + j] == expect[0]).all(), j
+        assert (mask[0] == -1).all() and (mask[5] == -1).all()
+        bit = lambda r, t: (mask[r, t >> 5] >> (t & 31)) & 1   # noqa: E731
+        assert not bit(1, x) and bit(2, x) and bit(4, llm.llm_engine.eos_token_ids[0])
+        again = manager.fill_bitmask([row(2)])
+        assert (again[0] == mask[1]).all()        # the drafts were rolled back
+        assert manager.is_allowed(seq.seq_id, one) and not manager.is_allowed(seq.seq_id, x)
+    finally:
+        manager.remove(seq.seq_id)
 
 
 def test_structured_room_imports_no_jax():

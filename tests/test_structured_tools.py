@@ -140,16 +140,3 @@ def test_tool_stream_deltas():
     ts = S.ToolStream(auto)
     assert ts.delta("plain answer", True, "stop") == ({"content": "plain answer"}, "stop")
 
-
-def test_grammar_requests_are_not_speculated():
-    """Their mask needs the previous token read, so the planner gives them no proposals (the
-    fake model of test_speculative repeats itself: a free request does get them)."""
-    from jaxbatch import StructuredOutputsParams
-    from test_speculative import run_pair
-    prompt = [5, 6, 7, 8, 9] * 3
-    _, sim = run_pair([(prompt, dict(max_tokens=20))], dict(num_speculative_tokens=3))
-    assert sim.sched.spec_counters.num_drafts > 0
-    so = StructuredOutputsParams(regex="[0-9]+")
-    _, sim = run_pair([(prompt, dict(max_tokens=20, structured_outputs=so))],
-                      dict(num_speculative_tokens=3))
-    assert sim.sched.spec_counters.num_drafts == 0

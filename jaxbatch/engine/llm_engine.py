@@ -189,6 +189,7 @@ class LLMEngine:
         self._in_flight = None
         self._unread = None                # structured outputs: see _fill_bitmask
         self._read_early: list[RequestOutput] = []
+        self._drafts: dict[int, list[int]] = {}   # the dispatching plan's proposals
         self.device_wait_seconds = 0.0     # time the host spent waiting for step results
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
@@ -369,6 +370,7 @@ class LLMEngine:
         # Structured outputs: the matchers fill each call's bitmask while its model call runs
         # (the plain call otherwise, as wrappers of runner.dispatch expect).
         if self.structured.num_sequences:
+            self._drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
             dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask)
         else:
             dispatched = self.runner.dispatch(plan, next_tokens)
@@ -388,7 +390,7 @@ class LLMEngine:
             unread, self._unread = self._unread, None
             self._read_early += self._finish_step(unread)
             self.structured.num_overlapped_fills += 1
-        return self.structured.fill_bitmask(rows)
+        return self.structured.fill_bitmask(rows, self._drafts)
 
     def _finish_step(self, dispatched) -> list[RequestOutput]:
         """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""

@@ -33,9 +33,7 @@ class SpeculativeScheduling:
                     self.config.max_model_len - seq.num_tokens - 1)
             if p.max_tokens is not None:
                 k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-            # (structured outputs are not speculated: their mask needs the previous token read)
-            if (k <= 0 or not p.speculate or p.structured_outputs is not None
-                    or self.step_count < seq.spec_resume_step):
+            if k <= 0 or not p.speculate or self.step_count < seq.spec_resume_step:
                 continue
             wanted[seq.seq_id] = (seq.prompt_token_ids + seq.output_token_ids, k)
             budget -= k

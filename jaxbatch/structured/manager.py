@@ -13,9 +13,10 @@ Lifecycle, as the engine drives it:
 Matchers count the output tokens they consumed, so a recompute preemption (which keeps the
 tokens) feeds nothing twice. With host/device overlap, a step with grammar rows is planned and
 its forward dispatched before the previous step is read; the engine reads it when the runner
-asks for the mask (LLMEngine._fill_bitmask), so only the sampling waits. Grammar requests are
-never speculated, so a matcher never sees a token that could be taken back (`rollback` exists
-for callers that would).
+asks for the mask (LLMEngine._fill_bitmask), so only the sampling waits. Speculation: each
+verification row's mask comes from the matcher advanced over the proposals before it and rolled
+back at once; the accepted ones are consumed when the scheduler appends them (`advance`), so
+rejected proposals never reach the matcher.
 """
 from __future__ import annotations
 
@@ -147,30 +148,57 @@ class StructuredOutputManager:
             state.matcher.rollback(num_tokens)
             state.consumed -= num_tokens
 
-    def fill_bitmask(self, rows: list[SamplingRow | None]) -> np.ndarray | None:
+    def fill_bitmask(self, rows: list[SamplingRow | None],
+                     drafts: dict[int, list[int]] | None = None) -> np.ndarray | None:
         """[len(rows), ceil(V/32)] int32: all ones for rows without a grammar; None if no row
-        has one (the sampler then keeps its mask on device)."""
-        targets = [(i, self._seqs[r.seq_id]) for i, r in enumerate(rows)
-                   if r is not None and r.seq_id in self._seqs]
-        if not targets:
+        has one (the sampler then keeps its mask on device). `drafts[seq_id]`: speculative
+        proposals; the sequence's verification rows (positions after its first row) get the
+        masks of its grammar after the proposals before them."""
+        by_seq: dict[int, list[tuple[int, int]]] = {}
+        for i, r in enumerate(rows):
+            if r is not None and r.seq_id in self._seqs:
+                by_seq.setdefault(r.seq_id, []).append((r.position, i))
+        if not by_seq:
             return None
-        from llguidance.numpy import fill_next_token_bitmask_par
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
         start = time.perf_counter()
         bitmask = np.full((len(rows), self.words), -1, np.int32)
         live = []
-        for i, state in targets:
-            if state.matcher.is_error():
-                # Only EOS: the sequence ends rather than wander off its grammar.
-                bitmask[i] = 0
-                for eos in self.eos_token_ids:
-                    bitmask[i].view(np.uint32)[eos >> 5] |= np.uint32(1 << (eos & 31))
+        for seq_id, items in by_seq.items():
+            matcher = self._seqs[seq_id].matcher
+            if matcher.is_error():
+                for _, i in items:        # only EOS: it ends rather than wander off its grammar
+                    bitmask[i] = 0
+                    for eos in self.eos_token_ids:
+                        bitmask[i].view(np.uint32)[eos >> 5] |= np.uint32(1 << (eos & 31))
+            elif len(items) == 1:
+                live.append((matcher, items[0][1]))
             else:
-                live.append((state.matcher, i))
+                self._fill_verification_rows(matcher, sorted(items), (drafts or {}).get(seq_id, []),
+                                             bitmask, fill_next_token_bitmask)
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_fills += 1
         return bitmask
+
+    @staticmethod
+    def _fill_verification_rows(matcher, items, draft, bitmask, fill) -> None:
+        """Row j (position base + j) samples after draft[:j]: the matcher consumes the drafts
+        tentatively and rolls them back. Rows past the first proposal the grammar refuses keep
+        all ones: the row before them samples under the grammar, so that proposal is rejected
+        there and they are discarded."""
+        base, valid, consumed = items[0][0], matcher.validate_tokens(draft), 0
+        for position, i in items:
+            j = position - base
+            if j > valid:
+                break
+            while consumed < j:
+                matcher.consume_token(draft[consumed])
+                consumed += 1
+            fill(matcher, bitmask, i)
+        if consumed:
+            matcher.rollback(consumed)
 
     def is_allowed(self, seq_id: int, token_id: int) -> bool:
         """Whether the sequence's matcher allows `token_id` next (tests, debugging)."""
