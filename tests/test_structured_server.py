@@ -173,3 +173,4 @@ def test_bad_constraints_are_400_and_server_keeps_serving(server, body, param):
 def test_structured_metrics(server):
     assert metric(server.base, "jaxbatch:structured_compile_seconds") > 0
     assert metric(server.base, "jaxbatch:structured_mask_seconds") > 0
+    assert metric(server.base, "jaxbatch:structured_mask_fills") > 0

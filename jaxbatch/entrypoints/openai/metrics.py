@@ -47,6 +47,8 @@ class ServerMetrics:
                                         "Cumulative seconds compiling grammars (and building the grammar tokenizer).")
         self.structured_mask = gauge("jaxbatch:structured_mask_seconds",
                                      "Cumulative seconds advancing grammar matchers and filling token bitmasks.")
+        self.structured_fills = gauge("jaxbatch:structured_mask_fills",
+                                      "Model calls that carried a grammar bitmask (mask seconds / fills = per call).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
@@ -96,6 +98,7 @@ class ServerMetrics:
         self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))
         self.structured_compile.set(stats.get("structured_compile_seconds", 0.0))
         self.structured_mask.set(stats.get("structured_mask_seconds", 0.0))
+        self.structured_fills.set(stats.get("structured_num_mask_fills", 0))
         for key, counter in (("num_preemptions", self.preemptions),
                              ("prefix_cache_queries", self.prefix_queries),
                              ("prefix_cache_hits", self.prefix_hits),
