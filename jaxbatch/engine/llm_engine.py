@@ -447,11 +447,5 @@ class LLMEngine:
             "spec_num_accepted_tokens": counters.num_accepted_tokens,
             "spec_accepted_per_position": list(counters.accepted_per_position),
             "spec_mean_accepted_length": counters.mean_accepted_length,
-            # structured outputs (jaxbatch/structured/manager.py)
-            "structured_compile_seconds": self.structured.compile_seconds,
-            "structured_mask_seconds": self.structured.mask_seconds,
-            "structured_num_mask_fills": self.structured.num_mask_fills,
-            "structured_num_overlapped_fills": self.structured.num_overlapped_fills,
-            "structured_num_sequences": self.structured.num_sequences,
-            "structured_num_rejected_tokens": self.structured.num_rejected_tokens,
+            **self.structured.stats(),        # structured outputs: structured_* counters
         }

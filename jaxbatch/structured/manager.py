@@ -123,6 +123,15 @@ class StructuredOutputManager:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    def stats(self) -> dict:
+        """For LLMEngine.stats(): host seconds, and mask seconds / fills = per model call."""
+        return {"structured_compile_seconds": self.compile_seconds,
+                "structured_mask_seconds": self.mask_seconds,
+                "structured_num_mask_fills": self.num_mask_fills,
+                "structured_num_overlapped_fills": self.num_overlapped_fills,
+                "structured_num_sequences": self.num_sequences,
+                "structured_num_rejected_tokens": self.num_rejected_tokens}
+
     # ---- the step --------------------------------------------------------------------------
     def advance(self, seq) -> None:
         """Feeds the sequence's read output tokens the matcher has not consumed yet."""
