@@ -36,6 +36,14 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
+def _mask_threads() -> int:
+    """Half the cores we may use, at most 8: the rest dispatch steps and serve HTTP (one on
+    a 2-core CI machine, where a second thread only contends)."""
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, (cores or 2) // 2))
+
+
 class _SeqMatcher:
     def __init__(self, matcher):
         self.matcher = matcher
@@ -80,7 +88,7 @@ class StructuredOutputManager:
                 start = time.perf_counter()
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-                self._executor = llguidance.LLExecutor(num_threads=1)
+                self._executor = llguidance.LLExecutor(num_threads=_mask_threads())
                 self.compile_seconds += time.perf_counter() - start
         return self._tokenizer
 
