@@ -213,10 +213,8 @@ class OpenAIServing:
         except BaseException as e:
             for s in streams:
                 s.abort()
-            if isinstance(e, ValueError):
-                if str(e).startswith("structured_outputs:"):    # the grammar did not compile
-                    raise APIError(400, str(e), param) from None
-                raise _params_error(e, param) from None
+            if isinstance(e, ValueError):     # (a grammar that does not compile: `param` names
+                raise _params_error(e, param) from None   # the field that constrained it)
             raise
         return base, streams
 
