@@ -6,10 +6,10 @@ requests, plans; host only) -> worker/ (runner, sampler, attention) -> model/. T
 modules import no JAX; `import jaxbatch` stays light until LLM is used.
 """
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics"]
+__all__ = ["LLM", "LLMEngine", "build_engine", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "RequestMetrics"]
 
 
 def __getattr__(name):

@@ -9,6 +9,40 @@ MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's names: exactly one constraint. Only its shape is checked here (pure Python); the
+    schema, regex or grammar itself is compiled and checked by the engine's grammar backend
+    (jaxbatch/structured/), whose error reaches `add_request` as a ValueError."""
+    json: str | dict | None = None          # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None              # llguidance's Lark-like syntax
+    json_object: bool | None = None         # any JSON object
+
+    def __post_init__(self):
+        self._validate()
+
+    def _validate(self):
+        set_fields = [f.name for f in dataclasses.fields(self)
+                      if getattr(self, f.name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError("StructuredOutputsParams: exactly one of json, regex, choice, "
+                             f"grammar, json_object must be set (got {set_fields or 'none'})")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("StructuredOutputsParams.json must be a dict or a JSON string")
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{field} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of "
+                             "non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("StructuredOutputsParams.json_object must be a bool")
+
+
+@dataclasses.dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -33,6 +67,8 @@ class SamplingParams:
     # Speculative decoding (when the engine has it): False keeps this request to one token a
     # step. The tokens are the same either way.
     speculate: bool = True
+    # A grammar the output must follow (jaxbatch/structured/).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -88,6 +124,18 @@ class SamplingParams:
             fail("speculate", "must be a bool")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "must be a StructuredOutputsParams or None")
+            self.structured_outputs._validate()
+            # Both fight the grammar over EOS: held back where it is the only allowed token,
+            # or sampled past the grammar's end.
+            if self.min_tokens:
+                fail("min_tokens", "must be 0 with structured_outputs (the grammar decides "
+                                   "where the output may end)")
+            if self.ignore_eos:
+                fail("ignore_eos", "must be False with structured_outputs (the grammar decides "
+                                   "where the output may end)")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,9 @@ BENCHMARKS = {
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),
     "hostile": ("hostile", "hostile clients against the server"),
+    "structured": ("structured", "structured outputs' cost: 0/50/100 % JSON-schema requests"),
+    "structured-mask-cost": ("structured_mask_cost", "host cost of grammar masks: tokenizer "
+                             "build, schema compile, advance + fill per step"),
 }
 
 

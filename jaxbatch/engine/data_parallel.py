@@ -119,6 +119,10 @@ class DataParallelEngine(EngineBase):
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
+    def prepare_for_serving(self) -> None:
+        for r in self.replicas:
+            r.prepare_for_serving()
+
     def warmup(self) -> float:
         return sum(r.warmup() for r in self.replicas)
 

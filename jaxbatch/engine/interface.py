@@ -37,6 +37,7 @@ class EngineClient(Protocol):
     def follow(self) -> bool: ...
     def release(self) -> None: ...
     def shutdown(self) -> None: ...
+    def prepare_for_serving(self) -> None: ...
 
 
 class EngineBase:
@@ -53,3 +54,6 @@ class EngineBase:
 
     def shutdown(self) -> None:
         """Ends the engine's helpers (a multi-process engine stops its followers)."""
+
+    def prepare_for_serving(self) -> None:
+        """Work a server wants done before the first request, off the engine thread."""

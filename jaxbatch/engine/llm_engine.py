@@ -34,6 +34,7 @@ from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
+from jaxbatch.structured.manager import StructuredOutputManager
 from jaxbatch.worker import compile_cache
 from jaxbatch.worker.runner import ModelRunner
 from jaxbatch.worker.sampler import MAX_BANNED
@@ -81,6 +82,9 @@ class LLMEngine(EngineBase):
         else:
             setup.check_shared_runner(runner, self.config, config)
         self.runner = runner
+        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  eos)
         verify_keys_added = False
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -97,6 +101,9 @@ class LLMEngine(EngineBase):
         # Host/device overlap: the step on the device while the host plans the next one.
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight = None
+        self._unread = None                # structured outputs: see _fill_bitmask
+        self._read_early: list[RequestOutput] = []
+        self._drafts: dict[int, list[int]] = {}   # the dispatching plan's proposals
         self.device_wait_seconds = 0.0     # time the host spent waiting for step results
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
@@ -168,6 +175,7 @@ class LLMEngine(EngineBase):
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer")
+        self.structured.check(params)      # structured outputs: the grammar compiles
         return text, ids, params
 
     def _create_sequences(self, request_id, text, ids, params, priority, now) -> None:
@@ -186,6 +194,7 @@ class LLMEngine(EngineBase):
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
+            self.structured.add(seq)           # structured outputs: its matcher
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -197,6 +206,7 @@ class LLMEngine(EngineBase):
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._seqs.pop(seq.seq_id, None)
+                self.structured.remove(seq.seq_id)
             self._pending_outputs.append(state.make_output())
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -219,6 +229,10 @@ class LLMEngine(EngineBase):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs)
+
+    def prepare_for_serving(self) -> None:
+        """Builds the grammar tokenizer on a background thread (structured outputs)."""
+        self.structured.prepare_in_background()
 
     def sequence_ids(self, request_id: str) -> list[int]:
         """The ids of an unfinished request's sequences (one per completion)."""
@@ -243,8 +257,12 @@ class LLMEngine(EngineBase):
                 self.runner.pool_owner = self
             plan = self.scheduler.schedule()
             if not plan.empty:
+                self._unread = in_flight     # (structured outputs: may be read mid-dispatch)
                 dispatched = self._dispatch(plan)
                 self.num_overlapped_steps += in_flight is not None
+                in_flight, self._unread = self._unread, None
+                outputs += self._read_early
+                self._read_early = []
         if in_flight is not None:
             outputs += self._finish_step(in_flight)
         if dispatched is not None:
@@ -263,12 +281,29 @@ class LLMEngine(EngineBase):
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
-        dispatched = self.runner.dispatch(plan, next_tokens)
+        # Structured outputs: the matchers fill each call's bitmask while its model call runs.
+        if self.structured.num_sequences:
+            self._drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
+            dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask)
+        else:
+            dispatched = self.runner.dispatch(plan, next_tokens)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
                               blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
         return dispatched
+
+    def _fill_bitmask(self, rows) -> np.ndarray | None:
+        """Structured outputs, as vLLM overlaps them: the runner calls this with a call's forward
+        already on the device; only then is the previous step read (its tokens advance the
+        matchers), and the mask its sampling needs filled. Steps without grammar rows never
+        wait here."""
+        if self._unread is not None and any(r is not None and self.structured.has(r.seq_id)
+                                            for r in rows):
+            unread, self._unread = self._unread, None
+            self._read_early += self._finish_step(unread)
+            self.structured.num_overlapped_fills += 1
+        return self.structured.fill_bitmask(rows, self._drafts)
 
     def _finish_step(self, dispatched) -> list[RequestOutput]:
         """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""
@@ -280,11 +315,14 @@ class LLMEngine(EngineBase):
         for observer in self.step_observers:
             observer.on_step(dispatched.plan, result.timings.get("dispatch_s", 0.0), wait)
         advanced = self.scheduler.update(dispatched.plan, result, self._seqs)
+        for seq in advanced:
+            self.structured.advance(seq)       # structured outputs: the matcher takes the token
         for seq, stop in self.outputs.stop_strings(advanced):
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
         outputs, done = self.outputs.outputs(advanced)
         for seq in done:
             self._seqs.pop(seq.seq_id, None)
+            self.structured.remove(seq.seq_id)
         return outputs
 
     # ---- introspection -------------------------------------------------------------------
@@ -321,6 +359,7 @@ class LLMEngine(EngineBase):
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(speculation.stats() if speculation is not None else NO_SPECULATION_STATS),
+            **self.structured.stats(),        # structured outputs: structured_* counters
         }
 
 

@@ -96,6 +96,9 @@ class MultiHostEngine(EngineBase):
     def warmup(self) -> float:
         return self.engine.warmup()
 
+    def prepare_for_serving(self) -> None:
+        self.engine.prepare_for_serving()
+
     def stats(self) -> dict:
         return self.engine.stats()
 

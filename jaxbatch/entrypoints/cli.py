@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
     sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
+    # Tool calls parsed from free text (tool_choice "auto"): entrypoints/openai/tool_parsers.py
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"])
     return ap
 
 
@@ -83,7 +87,9 @@ def serve(args) -> int:
 
     def engine_factory():   # runs on the engine thread, after the port is bound
         from jaxbatch.engine.build import build_engine
-        return build_engine(model, **kwargs)
+        engine = build_engine(model, **kwargs)
+        engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
+        return engine
 
     failed = []
 
@@ -95,13 +101,17 @@ def serve(args) -> int:
             server.should_exit = True
 
     name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
                     api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
                     on_engine_dead=on_engine_dead,
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    max_concurrent_requests=args.max_concurrent_requests)
+                    max_concurrent_requests=args.max_concurrent_requests,
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     _raise_fd_limit()
     from jaxbatch.entrypoints.openai.connections import guarded_protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -130,6 +130,7 @@ class ModelRunner:
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
         self.kept_probs: dict[tuple[int, int], np.ndarray] | None = None
         self._unused_history: dict[int, jax.Array] = {}
+        self._unused_bitmask: dict[int, jax.Array] = {}     # structured outputs: all allowed
         self.pool_owner = None     # the engine whose block manager last wrote the pool
         self.executable_observers: list = []   # benchmarks' hook, see _run
 
@@ -179,13 +180,17 @@ class ModelRunner:
             observer.on_executable(key, time.perf_counter() - start)
         return out
 
-    def _sampling_arrays(self, rows: list[SamplingRow | None]):
+    def _sampling_arrays(self, rows: list[SamplingRow | None], bitmask: np.ndarray | None = None):
         """Penalty history always has max_model_len columns (one executable for every request);
-        steps without penalties pass a -1 array kept on device per row count."""
+        steps without penalties pass a -1 array kept on device per row count. The same for
+        the grammar bitmask (structured outputs): `bitmask` [n, ceil(V/32)] or None."""
         n = len(rows)
         if n not in self._unused_history:
             self._unused_history[n] = jnp.full((n, self.cfg.max_model_len), -1, jnp.int32)
-        return sampler.build_sampling_arrays(rows, self.cfg.max_model_len, self._unused_history[n])
+            self._unused_bitmask[n] = jnp.full(
+                (n, sampler.bitmask_words(self.model_cfg.vocab_size)), -1, jnp.int32)
+        return sampler.build_sampling_arrays(rows, self.cfg.max_model_len, self._unused_history[n],
+                                             bitmask, self._unused_bitmask[n])
 
     def example_args(self, key: tuple):
         """Arguments of the right shapes for `key`, for lowering at warm-up."""
@@ -210,11 +215,13 @@ class ModelRunner:
         return (self.params, self.pool) + call_args
 
     # ---- one engine step -----------------------------------------------------------------
-    def _dispatch(self, call: ModelCall):
-        """Model call, then its sampling (and prompt logprobs): device arrays, nothing read."""
+    def _dispatch(self, call: ModelCall, bitmask_fn=None):
+        """Model call, then its sampling (and prompt logprobs): device arrays, nothing read.
+        `bitmask_fn(rows)`: the grammar bitmask of the call's rows, or None (structured outputs;
+        filled while the model call runs)."""
         out = self._run(call.key, self._model_args(call.key, call.args))
         self.pool = out[-1]
-        arrays = self._sampling_arrays(call.rows)
+        arrays = self._sampling_arrays(call.rows, bitmask_fn(call.rows) if bitmask_fn else None)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
             (kind, len(call.rows)), (out[0], arrays, self.kept_tokens, call.token_slots) + verify)
@@ -230,16 +237,18 @@ class ModelRunner:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
         return self.collect(self.dispatch(plan, next_tokens))
 
-    def dispatch(self, plan: StepPlan, next_tokens: dict[int, int]) -> "DispatchedStep":
+    def dispatch(self, plan: StepPlan, next_tokens: dict[int, int],
+                 bitmask_fn=None) -> "DispatchedStep":
         """Lays out and dispatches every call of the step; returns at once (JAX runs them
-        asynchronously), so the host can plan the next step meanwhile."""
+        asynchronously), so the host can plan the next step meanwhile. `bitmask_fn`: see
+        `_dispatch`."""
         start = time.perf_counter()
         calls = [self.layout.prefill_call(group, plan, next_tokens)
                  for group in self.layout.pack_prefills(plan.prefills)]
         if plan.decodes:
             calls.append(self.layout.decode_call(plan))
         # Dispatch every call before reading anything back.
-        pending = [(call, self._dispatch(call)) for call in calls]
+        pending = [(call, self._dispatch(call, bitmask_fn)) for call in calls]
         return DispatchedStep(plan, next_tokens, pending, time.perf_counter() - start)
 
     def collect(self, step: "DispatchedStep") -> StepResult:

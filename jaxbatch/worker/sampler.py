@@ -8,6 +8,10 @@ not compile-time variants: one executable per shape serves every request, so not
 mid-serving when the first request asking for them arrives, and a step where no row asks pays
 nothing for them.
 
+A grammar's packed bitmask (structured outputs, jaxbatch/structured/) is a runtime input of the
+same kind: `any_bitmask` false on steps without grammar rows, whose all-ones mask stays on
+device (the runner keeps one per row count), so they transfer and compile nothing new.
+
 Speculative decoding with sampled drafts (`draft_sampling="sampled"`) adds two functions that
 only such engines compile: `sample_with_probs` (the draft model: its tokens and the q each came
 from) and `sample_verified` (the target's decode calls carrying q: the rejection step of
@@ -47,13 +51,22 @@ class SamplingArrays:
     num_prompt: jax.Array       # [N] i32
     any_penalties: jax.Array    # [] bool: some row has a penalty (and its history filled)
     any_logprobs: jax.Array     # [] bool: some row wants top-k logprobs
+    bitmask: jax.Array          # [N, ceil(V/32)] i32 packed allowed tokens (bit v%32 of word v//32)
+    any_bitmask: jax.Array      # [] bool: some row follows a grammar (its bitmask row filled)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
 
 
 def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
-                          unused_history=None) -> SamplingArrays:
+                          unused_history=None, bitmask: np.ndarray | None = None,
+                          unused_bitmask=None, vocab_size: int | None = None) -> SamplingArrays:
     """Host side: rows (None = empty slot, sampled greedily and ignored) -> numpy arrays.
     `unused_history`: an [N, history_len] array of -1 to pass when no row has a penalty (the
-    runner keeps one on device per row count, so such steps transfer nothing for it)."""
+    runner keeps one on device per row count, so such steps transfer nothing for it).
+    `bitmask`: [N, ceil(V/32)] int32 from the grammar matchers, or None when no row has a
+    grammar; then `unused_bitmask` (all -1, kept on device) or a new one for `vocab_size`."""
     n = len(rows)
     f32 = lambda attr, default: np.array([getattr(r, attr) if r else default for r in rows], np.float32)
     banned = np.full((n, MAX_BANNED), -1, np.int32)
@@ -70,6 +83,10 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
         banned[i, :len(r.banned_token_ids)] = r.banned_token_ids
         if r.history:
             history[i, :len(r.history)] = r.history
+    any_bitmask = bitmask is not None
+    if bitmask is None:
+        bitmask = (unused_bitmask if unused_bitmask is not None
+                   else np.full((n, bitmask_words(vocab_size)), -1, np.int32))
     return SamplingArrays(
         temperature=f32("temperature", 0.0), top_k=np.array([r.top_k if r else 0 for r in rows], np.int32),
         top_p=f32("top_p", 1.0), min_p=f32("min_p", 0.0), presence=f32("presence_penalty", 0.0),
@@ -79,7 +96,8 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
         banned=banned, history=history,
         num_prompt=np.array([r.num_prompt_tokens if r else 0 for r in rows], np.int32),
         any_penalties=np.bool_(any_penalties),
-        any_logprobs=np.bool_(any(r is not None and r.logprobs for r in rows)))
+        any_logprobs=np.bool_(any(r is not None and r.logprobs for r in rows)),
+        bitmask=bitmask, any_bitmask=np.bool_(any_bitmask))
 
 
 def _apply_penalties(logits, s: SamplingArrays):
@@ -94,6 +112,15 @@ def _apply_penalties(logits, s: SamplingArrays):
     rep = s.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - s.frequency[:, None] * counts - s.presence[:, None] * (counts > 0)
+
+
+def _apply_bitmask(logits, bitmask):
+    """-inf where the row's grammar bans the token (the bits past V, and the vocabulary's padding
+    ids the grammar's tokenizer does not know, are 0: banned)."""
+    ids = jnp.arange(logits.shape[-1])
+    words = bitmask[:, ids >> 5]                                                # [N, V] i32
+    allowed = ((words >> (ids & 31)) & 1).astype(jnp.bool_)                     # [N, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _filter_top_k_top_p(scaled, top_k, top_p):
@@ -186,6 +213,7 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     giving the same structure when every row is greedy; extra is appended to the outputs."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
+    processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
     n = logits.shape[0]
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.banned.shape)
     processed = processed.at[rows, jnp.where(s.banned >= 0, s.banned, 0)].min(

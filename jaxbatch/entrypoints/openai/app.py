@@ -69,7 +69,8 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
               on_engine_dead=None, trust_request_chat_template: bool = False,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_concurrent_requests: int | None = None) -> FastAPI:
+              max_concurrent_requests: int | None = None,
+              tool_parser: str | None = None) -> FastAPI:
     """`engine_factory()` builds the LLMEngine on the engine thread (after the port is bound).
     `on_engine_dead(exc)` is called on the event loop if the engine thread dies."""
     metrics = ServerMetrics(served_model_name)
@@ -77,7 +78,7 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
                    on_dead=on_engine_dead)
     pre = Preprocessor(llm, trust_request_chat_template=trust_request_chat_template,
                        max_prompts_per_request=max_prompts_per_request)
-    serving = OpenAIServing(llm, served_model_name, pre)
+    serving = OpenAIServing(llm, served_model_name, pre, tool_parser)   # tool_parser: "auto"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

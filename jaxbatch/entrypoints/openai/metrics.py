@@ -42,6 +42,13 @@ class ServerMetrics:
         # Ours, not vLLM's: a compilation after warm-up stalls every stream; it should stay 0.
         self.late_compilations = gauge("jaxbatch:compilations_after_warmup",
                                        "Executables compiled after warm-up (a shape warm-up missed).")
+        # Ours: structured outputs' host time (grammar compiles; matcher advance + mask fill).
+        self.structured_compile = gauge("jaxbatch:structured_compile_seconds",
+                                        "Cumulative seconds compiling grammars (and building the grammar tokenizer).")
+        self.structured_mask = gauge("jaxbatch:structured_mask_seconds",
+                                     "Cumulative seconds advancing grammar matchers and filling token bitmasks.")
+        self.structured_fills = gauge("jaxbatch:structured_mask_fills",
+                                      "Model calls that carried a grammar bitmask (mask seconds / fills = per call).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
@@ -91,6 +98,9 @@ class ServerMetrics:
         total = stats["num_total_blocks"]
         self.kv_usage.set((total - stats["num_free_blocks"]) / total if total else 0.0)
         self.late_compilations.set(stats.get("num_compilations_after_warmup", 0))
+        self.structured_compile.set(stats.get("structured_compile_seconds", 0.0))
+        self.structured_mask.set(stats.get("structured_mask_seconds", 0.0))
+        self.structured_fills.set(stats.get("structured_num_mask_fills", 0))
         for key, counter in (("num_preemptions", self.preemptions),
                              ("prefix_cache_queries", self.prefix_queries),
                              ("prefix_cache_hits", self.prefix_hits),

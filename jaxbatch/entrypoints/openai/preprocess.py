@@ -104,6 +104,8 @@ class Preprocessor:
         kwargs = req.template_kwargs()
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        if req.tools:
+            kwargs["tools"] = req.tools          # templates that know tools show them
         try:
             p = tok.apply_chat_template(req.conversation(), tokenize=True, return_dict=False,
                                         add_generation_prompt=req.add_generation_prompt,
@@ -116,7 +118,7 @@ class Preprocessor:
         if req.continue_final_message:
             raise APIError(400, "continue_final_message is not supported with a request chat "
                                 "template", "continue_final_message")
-        context = {**req.template_kwargs(), "messages": req.conversation(),
+        context = {**req.template_kwargs(), "messages": req.conversation(), "tools": req.tools,
                    "add_generation_prompt": req.add_generation_prompt,
                    **{k: getattr(tok, k, None) for k in ("bos_token", "eos_token", "pad_token",
                                                         "unk_token")}}

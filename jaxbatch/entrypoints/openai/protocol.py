@@ -29,19 +29,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-# ---- refused fields: THE ONE PLACE for structured outputs and tools --------------------------
-# Structured outputs and tool calling are being built on another branch; until they merge these
-# request fields are refused with 400 "not supported". The merge replaces this block (and the
-# two message-level sets after it) and nothing else.
-STRUCTURED_OUTPUT_FIELDS = {
-    name: "structured outputs and tool calling are not supported by this server yet"
-    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                 "guided_choice", "guided_grammar", "guided_decoding_backend",
-                 "guided_whitespace_pattern", "tools", "tool_choice", "functions",
-                 "function_call", "parallel_tool_calls")}
-TOOL_MESSAGE_FIELDS = {"tool_calls", "tool_call_id", "function_call"}   # in a chat message
-TOOL_ROLES = {"tool", "function"}
-# ---- end of the structured-outputs block -------------------------------------------------------
+# Legacy function calling: refused, naming what replaced it (tools and structured outputs
+# are fields of the models below, read by structured.py).
+REFUSED_FIELDS = {
+    "functions": "'functions' is OpenAI's deprecated form of 'tools': send 'tools'",
+    "function_call": "'function_call' is OpenAI's deprecated form of 'tool_choice': send "
+                     "'tool_choice'"}
 
 # OpenAI's metadata: accepted, and nothing for the engine to honour.
 METADATA_FIELDS = {"user", "metadata", "store", "service_tier"}
@@ -55,8 +48,8 @@ SEED_RANGE = (0, 2 ** 32)
 def check_fields(req: "_Request") -> tuple[str, str] | None:
     """(param, message) for the first field this server does not implement, or None."""
     for name in (req.model_extra or {}):
-        if name in STRUCTURED_OUTPUT_FIELDS:
-            return name, f"'{name}': {STRUCTURED_OUTPUT_FIELDS[name]}"
+        if name in REFUSED_FIELDS:
+            return name, REFUSED_FIELDS[name]
         if name not in METADATA_FIELDS:
             return name, f"'{name}' is not supported by this server"
     return None
@@ -114,6 +107,16 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = None      # prefix caching: only equal salts share cached blocks
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
+    # Structured outputs (entrypoints/openai/structured.py reads these; guided_* answer 400
+    # naming their replacement).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour, or a bound
@@ -188,6 +191,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a "tool" message's answer to one
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -200,17 +205,18 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None   # vLLM's; refused unless --trust-request-chat-template
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None    # (structured.py)
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         for m in self.messages:
-            if m.role in TOOL_ROLES:
-                return "messages", f"role '{m.role}': {STRUCTURED_OUTPUT_FIELDS['tools']}"
+            if m.role == "function":
+                return "messages", "role 'function' is OpenAI's deprecated form of 'tool'"
             for name in (m.model_extra or {}):
-                why = (STRUCTURED_OUTPUT_FIELDS["tools"] if name in TOOL_MESSAGE_FIELDS
-                       else "is not supported by this server")
-                return "messages", f"message field '{name}': {why}"
+                return "messages", f"message field '{name}' is not supported by this server"
             if isinstance(m.content, list):
                 if any(p.type != "text" for p in m.content):
                     return "messages", "only text content parts are supported"
@@ -247,7 +253,12 @@ class ChatCompletionRequest(_SamplingRequest):
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content or ""}
+            if m.tool_calls is not None:      # templates render earlier calls and answers
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
 
@@ -332,6 +343,11 @@ class ChatLogProbs(_Model):
 class ChatMessageOut(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None    # [{"id", "type", "function": {"name", "arguments"}}]
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler, self, ("tool_calls",))
 
 
 class ChatChoice(_Model):
@@ -359,10 +375,11 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # [{"index", "id"?, "type"?, "function": {...}}]
 
     @model_serializer(mode="wrap")
     def _ser(self, handler):   # OpenAI's deltas carry only the keys that changed
-        return _drop_none(handler, self, ("role", "content"))
+        return _drop_none(handler, self, ("role", "content", "tool_calls"))
 
 
 class ChatStreamChoice(_Model):

@@ -24,6 +24,7 @@ import re
 import time
 import uuid
 
+from jaxbatch.entrypoints.openai import structured as S
 from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.openai.errors import APIError
@@ -43,6 +44,14 @@ def _checked_params(req, max_tokens, logprobs):
         return req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise _params_error(e) from None
+
+
+def _constrained(req, params, tool_parser, chat):
+    """Structured outputs and tools (structured.py): (tool plan, constraining field); 400s."""
+    try:
+        return S.apply_constraint(req, params, tool_parser, chat)
+    except S.BadRequest as e:
+        raise APIError(400, str(e), e.param) from None
 
 
 def _params_error(e: ValueError, param: str | None = None) -> APIError:
@@ -67,8 +76,11 @@ def _cut_event() -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str, pre: Preprocessor):
+    def __init__(self, llm: AsyncLLM, served_model_name: str, pre: Preprocessor,
+                 tool_parser: str | None = None):
+        """`tool_parser`: the --tool-call-parser of tool_choice "auto" (None: auto refused)."""
         self.llm, self.model_name, self.pre = llm, served_model_name, pre
+        self.tool_parser = tool_parser
         self._token_strings: dict[int, str] = {}
 
     # ---- shared steps ----------------------------------------------------------------------
@@ -106,8 +118,8 @@ class OpenAIServing:
         except BaseException as e:
             for s in streams:
                 s.abort()
-            if isinstance(e, ValueError):
-                raise _params_error(e, param) from None
+            if isinstance(e, ValueError):     # (a grammar that does not compile: `param` names
+                raise _params_error(e, param) from None   # the field that constrained it)
             raise
         return base, streams
 
@@ -165,18 +177,19 @@ class OpenAIServing:
         ticket = self._admit(req.n, "n")
         handed_off = False
         try:
+            tools, field = _constrained(req, params, self.tool_parser, chat=True)
             ids = await self.pre.chat_ids(req)
             rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
-                                             "messages", arrival)
+                                             field or "messages", arrival)
             if req.stream:
                 handed_off = True
-                return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket))
-            return await self._chat_full(req, rid, streams[0], len(ids))
+                return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket, tools))
+            return await self._chat_full(req, rid, streams[0], len(ids), tools)
         finally:
             if not handed_off:
                 ticket.release()
 
-    async def _chat_full(self, req, rid, stream, n_prompt):
+    async def _chat_full(self, req, rid, stream, n_prompt, tools=None):
         final = None
         try:
             async for out in stream:
@@ -184,20 +197,24 @@ class OpenAIServing:
         finally:
             stream.abort()
         _check_not_cut(final.outputs)
-        choices = [P.ChatChoice(
-            index=c.index, message=P.ChatMessageOut(content=c.text),
-            logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = S.chat_message(c.text, c.finish_reason, tools)
+            choices.append(P.ChatChoice(
+                index=c.index, message=P.ChatMessageOut(**message),
+                logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=wire_reason(finish_reason), stop_reason=c.stop_reason))
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens),
                                         prompt_logprobs=self._prompt_logprobs(final))
 
-    async def _chat_stream(self, req, rid, stream, n_prompt, ticket):
+    async def _chat_stream(self, req, rid, stream, n_prompt, ticket, tools=None):
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
                                                      model=self.model_name, choices=[choice])
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
+        tool_streams = [S.ToolStream(tools) for _ in range(n)] if tools else None
         cached, cut = 0, False
         try:
             for i in range(n):   # OpenAI opens every choice with the role
@@ -210,13 +227,20 @@ class OpenAIServing:
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
+                    finish_reason = c.finish_reason
+                    if tool_streams is not None:   # tool calls (structured.py): maybe held back
+                        fields, finish_reason = tool_streams[i].delta(c.text, fin, c.finish_reason)
+                        if fields is None and not fin:
+                            continue
+                        message = P.DeltaMessage(**(fields or {}))
+                    else:
+                        message = P.DeltaMessage(content=delta or (None if fin else ""))
                     lp = self._chat_logprobs(c, sent_tok[i], k) if req.logprobs else None
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(chunk(P.ChatStreamChoice(
-                        index=i, delta=P.DeltaMessage(content=delta or (None if fin else "")),
-                        logprobs=lp, finish_reason=wire_reason(c.finish_reason),
-                        stop_reason=c.stop_reason)))
+                        index=i, delta=message, logprobs=lp,
+                        finish_reason=wire_reason(finish_reason), stop_reason=c.stop_reason)))
             if cut:
                 yield _cut_event()
             if req.include_usage:
@@ -240,9 +264,10 @@ class OpenAIServing:
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n")
         handed_off = False
         try:
+            _, field = _constrained(req, params, None, chat=False)
             prompts = await self.pre.completion_ids(req)
-            rid, streams = await self._start("cmpl", prompts, params, req.priority, "prompt",
-                                             arrival)
+            rid, streams = await self._start("cmpl", prompts, params, req.priority,
+                                             field or "prompt", arrival)
             n_prompt = sum(len(p) for p in prompts)
             if req.stream:
                 handed_off = True
