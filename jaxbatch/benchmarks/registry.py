@@ -33,6 +33,8 @@ BENCHMARKS = {
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),
     "hostile": ("hostile", "hostile clients against the server"),
+    # The structured branch's scripts/bench_structured.py, once it moves here.
+    "structured": ("structured", "structured outputs' cost: 0/50/100 % JSON-schema requests"),
 }
 
 
