@@ -92,11 +92,9 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
 
 def paged_greedy(params, pool, tokens, positions, slot_mapping, attn_meta, *, cfg, inv_freq,
                  backend):
-    """The engine's paged forward (its attention backend: the runner's backend object, or a
-    name), ending in argmax instead of the sampler."""
-    if isinstance(backend, str):
-        backend = attention.get_backend(backend)
-    attend = backend.decode_attend(attn_meta, cfg.head_dim ** -0.5)
+    """The engine's paged forward (its attention backend), ending in argmax instead of the
+    sampler."""
+    attend = attention.decode_attend(backend, attn_meta, cfg.head_dim ** -0.5)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq)
     return jnp.argmax(llama.compute_logits(params, hidden), axis=-1), pool
@@ -158,7 +156,7 @@ def build_pieces(engine, plan, slots, ctx):
 
     # The engine's two dispatches of a decode step: the model call, then the sampler.
     forward = jax.jit(functools.partial(runner_mod._decode_forward, cfg=cfg,
-                                        backend=runner.attention, inv_freq=inv_freq),
+                                        backend=runner.backend, inv_freq=inv_freq),
                       donate_argnums=(1,))
     sample = jax.jit(sampler.sample)
 
@@ -174,7 +172,7 @@ def build_pieces(engine, plan, slots, ctx):
         logits, pool = forward(params, pool, kept_tokens, tokens, token_src, *inputs)
         return sample(logits, samp_arrays), pool
     paged = jax.jit(functools.partial(paged_greedy, cfg=cfg, inv_freq=inv_freq,
-                                      backend=runner.attention), donate_argnums=(1,))
+                                      backend=runner.backend), donate_argnums=(1,))
     floor = jax.jit(functools.partial(dense_decode, cfg=cfg, inv_freq=inv_freq),
                     donate_argnums=(1,))
     # Returns the tokens only: returning the (non-donated, untouched) caches would make XLA
