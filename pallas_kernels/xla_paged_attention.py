@@ -4,7 +4,7 @@
 block table in the batch. Here cost follows the pages each sequence actually uses, so one long
 context no longer makes every slot of a decode step read a long context, and several prefill
 chunks share one call without each attending over every other chunk's pages. Both functions
-are checked against the oracle in tests/test_xla_attention.py.
+are checked against the oracle in tests/worker/test_xla_attention.py.
 
 Decode, a work list. One item is (slot, up to PAGES_PER_ITEM consecutive pages of its table): the
 host lists the pages in use by every slot, sorted by slot, padded with items whose slot is out

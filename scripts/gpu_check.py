@@ -40,7 +40,7 @@ GPU_CHECK_SIMULATE_FAILURE (comma list; "1" = kernels): `kernels` corrupts one k
 the correctness section, `timeout` makes the kernels section hang after the correctness
 section (the shell's limit must kill it, and the end-to-end section must still run), `e2e`
 corrupts one checked token in gpu_e2e. Each must make gpu_check.sh exit non-zero;
-tests/test_gpu_check.py checks that on CPU.
+tests/benchmarks/test_gpu_check.py checks that on CPU.
 """
 from __future__ import annotations
 

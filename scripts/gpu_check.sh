@@ -21,12 +21,12 @@
 # 1 on any correctness failure, timeout or crash; 3 nothing failed but an end-to-end model was
 # skipped for time; 2 bad usage.
 # --dry-run (or DRY_RUN=1): everything on CPU with tiny shapes and the Pallas interpreter
-# (limits 120 s each unless set), to check this script (tests/test_gpu_check.py runs it in CI).
+# (limits 120 s each unless set), to check this script (tests/benchmarks/test_gpu_check.py runs it in CI).
 # GPU_CHECK_SIMULATE_FAILURE=kernels|timeout|e2e (comma list) fakes a failure of that kind; the
 # exit status must then be non-zero (see scripts/gpu_check.py).
 #
 # Not covered here (the machine has one GPU): tensor and data parallelism. A multi-GPU run
-# would add (docs/PARALLELISM.md): tests/tp_checks.py on real devices (NCCL all-reduces, the
+# would add (docs/PARALLELISM.md): tests/helpers/tp_checks.py on real devices (NCCL all-reduces, the
 # Pallas kernels under shard_map lowered for cuda; XLA_FLAGS unset, jax.device_count() >= 8),
 # decode step time at tensor_parallel_size 1/2/4/8 against the weight-bandwidth floor / T plus
 # the all-reduce time, and `jaxbatch bench scaleout --device gpu --data-parallel-size N` for

@@ -1,5 +1,5 @@
 """The sliding-window variants of every kernel lower for the cuda platform on a CPU machine
-(tests/test_lowering.py's method, run under both jax versions in CI): the window is a traced
+(tests/worker/test_lowering.py's method, run under both jax versions in CI): the window is a traced
 int32 scalar (each layer's, from the layer scan), with float and int8 pools, soft cap on."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT = 600   # first start on a busy 2-core machine: load + compile
 

@@ -101,7 +101,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
 
 def test_bf16_tiny_engine_matches_float32_closely(tiny_bf16_engine):
     """A sanity bound (bf16 rounding of weights and activations), not an oracle: the float32
-    path is the one held exact against Hugging Face (tests/test_model.py)."""
+    path is the one held exact against Hugging Face (tests/model/test_model.py)."""
     engine, loaded = tiny_bf16_engine
     prompt = list(range(3, 40))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)

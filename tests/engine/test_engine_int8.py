@@ -15,7 +15,7 @@ from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.worker.kv_cache import bytes_per_block
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.model.quantize import params_are_quantized
-from test_engine_tiny import run_all
+from engines import run_all
 from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
 
 

@@ -35,3 +35,14 @@ def random_tables(rng, lengths, pages_per_seq, block_size, spare=3):
     poison = unused & (rng.random(tables.shape) < 0.5)
     tables[poison] = rng.choice(spare_pages, poison.sum())
     return tables, num_blocks
+
+
+class SeededRng:
+    """A numpy Generator that remembers its seed for failure messages."""
+
+    def __init__(self, seed):
+        self.seed = seed
+        self._gen = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)

@@ -12,7 +12,7 @@ from jaxbatch.core.plan import SampledToken, StepResult
 from jaxbatch.core.request import SequenceStatus
 from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import NgramProposer, SpecCounters, SpeculativeConfig
-from test_scheduler import EOS, Sim, assert_drained, check_plan, check_scheduler
+from scheduler_sim import EOS, Sim, assert_drained, check_plan, check_scheduler, fake_model
 
 
 # ---- proposer and config -----------------------------------------------------------------------
@@ -47,15 +47,6 @@ def test_counters():
 
 
 # ---- the scheduler with a fake model ------------------------------------------------------------
-def fake_model(tokens: list[int]) -> int:
-    """Deterministic and repetitive enough for prompt lookup to be often right, sometimes
-    wrong: mostly a cycle of period 5, with a twist every 7th position."""
-    n = len(tokens)
-    if n % 7 == 0:
-        return 3 + (tokens[-1] * 7 + n) % 40
-    return tokens[-5] if n >= 5 else 10 + n
-
-
 class SpecSim(Sim):
     """Sim whose tokens come from `fake_model`: each sampled row sees the sequence's tokens plus
     the proposals before it (what the device computes)."""

@@ -10,29 +10,8 @@ import torch
 from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.loader import LoadedModel
+from engines import run_all, tiny_engine
 from tiny_models import VARIANTS, make_hf_model, ours_from_hf, random_token_prompts
-
-
-def tiny_engine(model, **kwargs) -> LLMEngine:
-    cfg, params = ours_from_hf(model)
-    loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0, from_cache=False)
-    kwargs.setdefault("max_model_len", 256)
-    # Equality tests step each engine a few dozen times: compiling only the shapes they meet
-    # is faster than warming every bucket. Warm-up itself is tested in test_compilation.py.
-    kwargs.setdefault("warmup", False)
-    kwargs.setdefault("compilation_cache", False)
-    return LLMEngine(loaded=loaded, **kwargs)
-
-
-def run_all(engine: LLMEngine, prompts, params) -> list:
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -14,8 +14,7 @@ import pytest
 from jaxbatch import SamplingParams
 from jaxbatch.core.plan import PENDING_TOKEN, SampledToken, StepResult
 from jaxbatch.core.request import SequenceStatus
-from test_scheduler import Sim, assert_drained, check_scheduler
-from test_speculative import fake_model
+from scheduler_sim import Sim, assert_drained, check_scheduler, fake_model
 
 
 class OverlapSim(Sim):
@@ -166,7 +165,7 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def engines():
-    from test_engine_tiny import tiny_engine
+    from engines import tiny_engine
     from tiny_models import make_hf_model
     from jaxbatch.engine.llm_engine import LLMEngine
     model = make_hf_model("llama_untied_gqa2", seed=7)
@@ -179,8 +178,7 @@ def engines():
 
 def test_engine_overlap_on_equals_off_in_a_crowd_with_preemption(engines):
     import numpy as np
-    from test_engine_tiny import run_all
-    from test_prefix_caching_engine import result
+    from engines import result, run_all
     from tiny_models import random_token_prompts
     on, off = engines
     prompts = random_token_prompts(np.random.default_rng(3), [30, 5, 47, 12, 64, 9, 21, 3] * 2)

@@ -14,7 +14,7 @@ import pytest
 from jaxbatch.benchmarks import machine, registry, report
 from jaxbatch.entrypoints import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.py",
                 "setup_vllm_cpu.sh", "export_safetensors.py"}
 # What README.md and docs/BENCHMARKS.md run, by name (issue 28: each runs from `jaxbatch bench`).

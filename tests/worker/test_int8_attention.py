@@ -4,7 +4,7 @@ ragged kernels in interpret mode. GQA, randomly permuted block tables, lengths o
 boundary, empty slots; every page slot a test does not fill holds random int8 values and a NaN
 scale, so a masked key or value that reaches arithmetic shows up as NaN.
 
-Lowering of the int8 kernels for the cuda platform: tests/test_lowering.py.
+Lowering of the int8 kernels for the cuda platform: tests/worker/test_lowering.py.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pallas_kernels.reference import paged_decode_attention_ref, ragged_paged_at
 from pallas_kernels.xla_paged_attention import (PREFILL_TILE, decode_work_items,
                                                 tiled_prefill_attention_xla)
 from paged_inputs import fill_pages, nan_pool, random_tables
-from test_kernels import _SeededRng
+from paged_inputs import SeededRng
 
 # f32: scales applied to scores/probabilities instead of values reorders roundings only.
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -30,7 +30,7 @@ TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 @pytest.fixture
 def rng():
-    return _SeededRng(int(os.environ.get("KERNEL_TEST_SEED",
+    return SeededRng(int(os.environ.get("KERNEL_TEST_SEED",
                                          int.from_bytes(os.urandom(4), "little"))))
 
 
@@ -178,7 +178,7 @@ def test_xla_prefill_tiles_on_int8_pool(rng, num_heads, num_kv_heads, dtype):
                                       k_scales=pool[2], v_scales=pool[3])
     ref = tiled_prefill_attention_xla(q, jnp.asarray(k_deq), jnp.asarray(v_deq), query_pos,
                                       tile_pages)
-    # The float path is itself checked against the oracle in tests/test_xla_attention.py.
+    # The float path is itself checked against the oracle in tests/worker/test_xla_attention.py.
     _check(out, ref, dtype, rng.seed, empty_rows=[np.asarray(query_pos) < 0])
 
 

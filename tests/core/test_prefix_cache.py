@@ -13,7 +13,7 @@ from jaxbatch.core.block_manager import BlockManager
 from jaxbatch.core.prefix_cache import block_key, extend_keys, root_key
 from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.sampling_params import SamplingParams
-from test_scheduler import Sim, assert_drained, check_scheduler
+from scheduler_sim import Sim, assert_drained, check_scheduler
 
 BS = 4
 ROOT = b"r"

@@ -1,5 +1,5 @@
 """Pallas paged-attention kernels against the plain-jnp oracles (interpret mode on CPU) and their
-input validation (lowering for the cuda platform: tests/test_lowering.py).
+input validation (lowering for the cuda platform: tests/worker/test_lowering.py).
 
 Inputs are fresh on every run; the seed is in every failure message (set KERNEL_TEST_SEED to
 replay one). Every pool slot a test does not fill holds NaN: unused pages, the null block 0 and
@@ -18,25 +18,14 @@ from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import paged_decode_attention_ref, ragged_paged_attention_ref
-from paged_inputs import fill_pages, nan_pool, random_tables
+from paged_inputs import SeededRng, fill_pages, nan_pool, random_tables
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
-class _SeededRng:
-    """A numpy Generator that remembers its seed for failure messages."""
-
-    def __init__(self, seed):
-        self.seed = seed
-        self._gen = np.random.default_rng(seed)
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-
 @pytest.fixture
 def rng():
-    return _SeededRng(int(os.environ.get("KERNEL_TEST_SEED",
+    return SeededRng(int(os.environ.get("KERNEL_TEST_SEED",
                                          int.from_bytes(os.urandom(4), "little"))))
 
 
@@ -273,4 +262,4 @@ def test_write_kv_rejects_bad_inputs():
         write_kv(pages, pages, kv, jnp.zeros((4, 2, 64)), slots)
 
 
-# Lowering for the cuda platform of every production configuration: tests/test_lowering.py.
+# Lowering for the cuda platform of every production configuration: tests/worker/test_lowering.py.

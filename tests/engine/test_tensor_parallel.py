@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 virtual CPU devices (tests/tp_checks.py, in one subprocess so the
+"""Tensor parallelism on 8 virtual CPU devices (tests/helpers/tp_checks.py, in one subprocess so the
 rest of the suite keeps one device and the checks share their compiled engines)."""
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HELPERS = os.path.join(ROOT, "tests", "helpers")
 # Compiling the tiny models' steps is most of what these tests cost; LLVM's expensive passes
 # buy nothing at this size (2.4x less wall time here). Every comparison's two sides run
 # under the same flags.
@@ -19,9 +21,9 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 @pytest.fixture(scope="module")
 def tp_run():
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
+               PYTHONPATH=os.pathsep.join([ROOT, HELPERS,
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_checks.py")], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(HELPERS, "tp_checks.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     results = dict(re.findall(r"^CHECK (\w+) (PASS|FAIL)", output, re.M))

@@ -16,8 +16,7 @@ from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.core.plan import PENDING_TOKEN
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
-from test_engine_tiny import run_all, tiny_engine
-from test_prefix_caching_engine import result
+from engines import result, run_all, tiny_engine
 from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
 
 

@@ -12,8 +12,7 @@ import pytest
 
 from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
-from test_engine_tiny import run_all, tiny_engine
-from test_prefix_caching_engine import result
+from engines import result, run_all, tiny_engine
 from tiny_models import make_hf_model, random_token_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,

@@ -17,7 +17,7 @@ import pytest
 from jaxbatch import SamplingParams
 from jaxbatch.core import prefix_cache
 from jaxbatch.engine.llm_engine import LLMEngine
-from test_engine_tiny import run_all, tiny_engine
+from engines import LOGPROB_TOL, Close, result, run_all, tiny_engine  # noqa: F401
 from tiny_models import make_hf_model, random_token_prompts
 
 CHUNK = 16
@@ -51,31 +51,6 @@ def sampling(i: int) -> SamplingParams:
         return SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, max_tokens=10,
                               logprobs=2, ignore_eos=True)
     return SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
-
-
-LOGPROB_TOL = 1e-5
-
-
-class Close:
-    """Equal to another logprob dict: same tokens, values within LOGPROB_TOL."""
-
-    def __init__(self, logprobs):
-        self.logprobs = logprobs
-
-    def __eq__(self, other):
-        a, b = self.logprobs, other.logprobs
-        if a is None or b is None:
-            return a is b
-        return len(a) == len(b) and all(
-            x.keys() == y.keys() and all(abs(x[t] - y[t]) <= LOGPROB_TOL for t in x)
-            for x, y in zip(a, b))
-
-    def __repr__(self):
-        return repr(self.logprobs)
-
-
-def result(out) -> list:
-    return [(c.token_ids, Close(c.logprobs)) for c in out.outputs]
 
 
 def expected_hit(n: int) -> int:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HELPERS = os.path.join(ROOT, "tests", "helpers")
 # Compiling the tiny models' steps is most of what these tests cost; LLVM's expensive passes
 # buy nothing at this size (2.4x less wall time here). Every comparison's two sides run
 # under the same flags.
@@ -28,10 +30,10 @@ def _result(output: str) -> dict:
 
 def test_two_processes_give_the_tokens_of_one():
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
+               PYTHONPATH=os.pathsep.join([ROOT, HELPERS,
                                            os.environ.get("PYTHONPATH", "")]))
     port = _free_port()
-    worker = os.path.join(HERE, "multihost_worker.py")
+    worker = os.path.join(HELPERS, "multihost_worker.py")
     # Processes 0 and 1 of the joined engine, and the single-process reference beside them.
     commands = [[worker, "0", str(port)], [worker, "1", str(port)], [worker, "single"]]
     procs = [subprocess.Popen([sys.executable] + c, env=env, stdout=subprocess.PIPE,
