@@ -1,6 +1,7 @@
 """What int8 quantization costs in accuracy, against the full-precision model.
 
     python scripts/accuracy.py [--dtype float32] [--window 512] [--out accuracy_out]
+    (bf16 against float32: scripts/accuracy_bf16.py, which reuses this harness)
 
 Teacher-forced: the bundled text (scripts/data/accuracy_text.txt, ~4k tokens of original
 English prose on several topics) is cut into windows of --window tokens, and each window runs
@@ -31,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxbatch.worker import attention, kv_cache  # noqa: E402
-from jaxbatch.model import llama  # noqa: E402
+from jaxbatch.model import llama, precision  # noqa: E402
 from jaxbatch.model.loader import load_model  # noqa: E402
 from jaxbatch.model.rope import inverse_frequencies  # noqa: E402
 
@@ -81,7 +82,9 @@ def _compare(full_lp, lp, targets):
 def window_logprobs(params, cfg, kv_dtype, dtype, tokens, chunk, inv_freq):
     """Teacher-forced log-probs [len(tokens), V] of one window, prefilled chunk by chunk."""
     pages = -(-len(tokens) // BLOCK_SIZE)
-    pool = kv_cache.allocate_pool(cfg, pages + 1, BLOCK_SIZE, dtype, kv_dtype)
+    # bf16 pages are stored as uint16 bits on CPU (jaxbatch/model/precision.py).
+    pool = kv_cache.allocate_pool(cfg, pages + 1, BLOCK_SIZE,
+                                  precision.kv_pool_dtype(dtype, "reference"), kv_dtype)
     out = []
     for start in range(0, len(tokens), chunk):
         piece = jnp.asarray(tokens[start:start + chunk], jnp.int32)
