@@ -1,6 +1,7 @@
 """What int8 quantization costs in accuracy, against the full-precision model.
 
     jaxbatch bench accuracy [--dtype float32] [--window 512] [--out accuracy_out]
+    (bf16 against float32: jaxbatch bench accuracy-bf16, which reuses this harness)
 
 Teacher-forced: the bundled text (benchmarks/data/accuracy_text.txt, ~4k tokens of original
 English prose on several topics) is cut into windows of --window tokens, and each window runs
@@ -27,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.benchmarks.workloads import ACCURACY_TEXT as TEXT
-from jaxbatch.model import llama
+from jaxbatch.model import llama, precision
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.worker import attention, kv_cache
+    (bf16 against float32: jaxbatch bench accuracy-bf16, which reuses this harness)
 BLOCK_SIZE = 16
 VARIANTS = {  # name: (kv_cache_dtype, quantization)
     "full": ("auto", None),
@@ -76,7 +78,9 @@ def _compare(full_lp, lp, targets):
 def window_logprobs(params, cfg, kv_dtype, dtype, tokens, chunk, inv_freq):
     """Teacher-forced log-probs [len(tokens), V] of one window, prefilled chunk by chunk."""
     pages = -(-len(tokens) // BLOCK_SIZE)
-    pool = kv_cache.allocate_pool(cfg, pages + 1, BLOCK_SIZE, dtype, kv_dtype)
+    # bf16 pages are stored as uint16 bits on CPU (jaxbatch/model/precision.py).
+    pool = kv_cache.allocate_pool(cfg, pages + 1, BLOCK_SIZE,
+                                  precision.kv_pool_dtype(dtype, "reference"), kv_dtype)
     out = []
     for start in range(0, len(tokens), chunk):
         piece = jnp.asarray(tokens[start:start + chunk], jnp.int32)

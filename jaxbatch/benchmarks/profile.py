@@ -26,12 +26,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     from jaxbatch import LLM, SamplingParams
 
     workload = make_workload(args.num_requests)
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_model_len=2048, dtype="float32",
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_model_len=2048, dtype=args.dtype,
               async_scheduling=False, enable_prefix_caching=args.prefix_caching,
               prefix_cache_granularity="block")
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)

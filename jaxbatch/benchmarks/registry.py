@@ -29,6 +29,9 @@ BENCHMARKS = {
     "scaleout": ("scaleout", "tensor / data parallel throughput against one engine"),
     "step-keys": ("step_keys", "step time of chosen executable keys (pricing a bucket change)"),
     "accuracy": ("accuracy", "what int8 costs in accuracy: top-1, KL, perplexity"),
+    "accuracy-bf16": ("accuracy_bf16", "bf16 against float32: top-1, KL, perplexity ratio, "
+                      "greedy agreement"),
+    "dtype": ("dtype", "bf16 vs float32 on this CPU: per-executable profile, a small mix"),
     "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),

@@ -348,7 +348,7 @@ class LLMEngine(EngineBase):
             "compile_seconds": self.runner.compile_seconds,
             "attention_backend": self.runner.backend,
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
-            # What dtype="auto" chose (model/precision.py); the embedding's, as layer matrices may be int8.
+            # What dtype="auto" chose (model/precision.py): the embedding's (matrices may be int8)
             "dtype": str(self.runner.params["embed"].dtype),
             # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),

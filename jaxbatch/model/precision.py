@@ -38,8 +38,7 @@ def dense(x, w):
     """x [T, in] @ w [in, out] -> [T, out] in x's dtype: x cast to w's dtype, accumulated in
     float32 (for float32 weights this is the plain float32 dot). A uint16 `w` is a slice of a
     stacked layer matrix kept as bf16 bits (`to_storage`)."""
-    if w.dtype == BF16_BITS:
-        w = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
+    w = as_float(w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=ACCUMULATE).astype(x.dtype)
 
 
@@ -63,6 +62,15 @@ def to_storage(params: dict, platform: str | None = None) -> dict:
         return jax.lax.bitcast_convert_type(a, BF16_BITS)
 
     return {**params, "layers": {k: bits(v) for k, v in layers.items()}}
+
+
+def as_float(a):
+    """A weight in `to_storage` form -> its bf16 values (numpy: a free view); others as they are."""
+    if a.dtype != BF16_BITS:
+        return a
+    if isinstance(a, np.ndarray):
+        return a.view(jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16)
 
 
 def logical_dtype(a) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxbatch.model import precision
 from pallas_kernels.int8 import quantize_int8
 
 QUANTIZATIONS = (None, "int8")
@@ -52,7 +53,8 @@ def dequantize_matrix(weight: dict, dtype=jnp.float32):
 def _quantize_entry(weight):
     if isinstance(weight, tuple):                   # per-layer layout: one matrix per layer
         return tuple(_quantize_entry(w) for w in weight)
-    return weight if is_quantized(weight) else quantize_matrix(weight)
+    # as_float: a bf16 stack kept as uint16 bits on CPU (model/precision.py) holds floats.
+    return weight if is_quantized(weight) else quantize_matrix(precision.as_float(weight))
 
 
 def quantize_params(params: dict) -> dict:

@@ -137,6 +137,14 @@ def test_storage_bits_round_trip_and_dense_reads_them():
     np.testing.assert_array_equal(precision.dense(x, stored["layers"]["w"][1]),
                                   precision.dense(x, w[1]))
     assert precision.logical_dtype(stored["layers"]["w"]) == "bfloat16"
+    # int8 quantization of a stored stack reads its values, not its bits.
+    from jaxbatch.model.quantize import quantize_matrix
+    for got, want in zip(jax.tree.leaves(quantize_matrix(precision.as_float(stored["layers"]["w"]))),
+                         jax.tree.leaves(quantize_matrix(w))):
+        np.testing.assert_array_equal(got, want)
+    from jaxbatch.model.quantize import quantize_params
+    q = quantize_params({**stored, "layers": {"wq": stored["layers"]["w"]}})["layers"]["wq"]
+    np.testing.assert_array_equal(q["int8"], quantize_matrix(w)["int8"])
     # float32 stays the plain float32 dot, bit for bit.
     x32, w32 = x.astype(jnp.float32), w[1].astype(jnp.float32)
     np.testing.assert_array_equal(precision.dense(x32, w32), x32 @ w32)
