@@ -5,7 +5,7 @@ under saturation.
     python -m jaxbatch.benchmarks.hostile --spawn [--tiny] [--cases zoo,flood,...]
     python -m jaxbatch.benchmarks.hostile --base http://127.0.0.1:8000 --pid PID
 
-Cases: zoo (bad inputs, one row each), flood (concurrent requests listing many prompts x n),
+Cases: idle (/health p99 alone, the baseline), zoo (bad inputs, one row each), flood (concurrent requests listing many prompts x n),
 slowloris (sockets dripping header bytes), saturation (streams holding every slot),
 disconnect (a storm of requests dropped at once; time until the engine is idle), signals
 (SIGINT under load, then SIGTERM: every stream must end with [DONE]; exit code). `signals`
@@ -55,8 +55,9 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 class Bench:
-    def __init__(self, base: str, pid: int | None, tiny: bool):
+    def __init__(self, base: str, pid: int | None, tiny: bool, slowloris=None):
         self.base, self.pid, self.tiny = base, pid, tiny
+        self.slowloris_size = slowloris
         self.port = int(base.rsplit(":", 1)[1])
         self.rows: list[dict] = []
         self.reference = self._normal()[1]
@@ -94,6 +95,17 @@ class Bench:
                 time.sleep(0.02)
 
     # ---- cases ----------------------------------------------------------------------------
+    def idle(self):
+        """/health p99 with nothing else going on: the baseline for the two below."""
+        before, t0, stop, lat = rss_mb(self.pid), time.monotonic(), threading.Event(), []
+        probe = threading.Thread(target=self.health_probe, args=(stop, lat))
+        probe.start()
+        time.sleep(3.0 if self.tiny else 10.0)
+        stop.set()
+        probe.join()
+        self.row("idle: /health alone", "200", time.monotonic() - t0, before,
+                 health_p99_ms=_p99_ms(lat))
+
     def zoo(self):
         for name, path, extra in ZOO:
             body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
@@ -127,7 +139,7 @@ class Bench:
         self.row(f"flood: {k} x {prompts} prompts x n={n}", status, time.monotonic() - t0, before)
 
     def slowloris(self):
-        count, seconds = (6, 4.0) if self.tiny else (100, 30.0)
+        count, seconds = self.slowloris_size or ((6, 4.0) if self.tiny else (100, 30.0))
         before, t0 = rss_mb(self.pid), time.monotonic()
         socks = [socket.create_connection(("127.0.0.1", self.port), timeout=10)
                  for _ in range(count)]
@@ -296,7 +308,7 @@ def spawn(extra: list[str]) -> tuple[str, subprocess.Popen]:
     raise TimeoutError("the server did not get ready")
 
 
-CASES = ("zoo", "flood", "slowloris", "saturation", "disconnect", "signals")
+CASES = ("idle", "zoo", "flood", "slowloris", "saturation", "disconnect", "signals")
 
 
 def run(argv=None) -> list[dict]:
@@ -309,6 +321,8 @@ def run(argv=None) -> list[dict]:
                     help="flags for the spawned server")
     ap.add_argument("--tiny", action="store_true", help="a smoke-sized run")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--slowloris", nargs=2, type=float, metavar=("SOCKETS", "SECONDS"),
+                    help="the slowloris case's size (default 6 4 with --tiny, else 100 30)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     proc = None
@@ -320,7 +334,8 @@ def run(argv=None) -> list[dict]:
     else:
         ap.error("give --base URL or --spawn")
     try:
-        bench = Bench(base, pid, args.tiny)
+        size = (int(args.slowloris[0]), args.slowloris[1]) if args.slowloris else None
+        bench = Bench(base, pid, args.tiny, size)
         for case in args.cases.split(","):
             if case not in CASES:
                 ap.error(f"unknown case {case!r} (choose from {', '.join(CASES)})")
