@@ -205,7 +205,7 @@ REFUSED = [
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-    ("/v1/completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [
@@ -265,6 +265,21 @@ def test_prompt_logprobs_are_returned(server):
     for tid, entry in zip(ids[1:], plp[1:]):
         assert str(tid) in entry and entry[str(tid)]["logprob"] <= 0   # the prompt's own token
         assert 2 <= len(entry) <= 3
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "logprobs": 1}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    ids = post(server, "/v1/completions", dict(body, return_tokens_as_token_ids=True)
+               ).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in ids["tokens"])
+    got = post(server, "/detokenize", {"tokens": [int(t[9:]) for t in ids["tokens"]]}).json()
+    assert got["prompt"] == "".join(plain["tokens"])
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                 "logprobs": True,
+                                                 "return_tokens_as_token_ids": True}).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
 
 
 def test_truncate_prompt_tokens_keeps_the_end(server):

@@ -81,7 +81,6 @@ class ErrorInfo(_Model):
 class ErrorResponse(_Model):
     error: ErrorInfo
 
-
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool | None = False
@@ -114,6 +113,7 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = None      # prefix caching: only equal salts share cached blocks
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
+    return_tokens_as_token_ids: bool = False    # logprob tokens as "token_id:N"
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour, or a bound

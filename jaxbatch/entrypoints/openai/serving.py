@@ -86,7 +86,9 @@ class OpenAIServing:
                                 f"tokens. However, your prompt has {len(ids)} tokens (plus one "
                                 f"to generate).", param)
 
-    def _token_str(self, token_id: int) -> str:
+    def _token_str(self, token_id: int, as_id: bool = False) -> str:
+        if as_id:    # vLLM's return_tokens_as_token_ids: unambiguous where bytes split tokens
+            return f"token_id:{token_id}"
         # Decoding one token is a dict lookup after the first time; cheap enough for the loop.
         s = self._token_strings.get(token_id)
         if s is None:
@@ -112,26 +114,28 @@ class OpenAIServing:
         return base, streams
 
     # ---- logprobs ----------------------------------------------------------------------------
-    def _chat_logprobs(self, c, start: int, k: int) -> P.ChatLogProbs:
+    def _chat_logprobs(self, c, start: int, k: int, as_id: bool) -> P.ChatLogProbs:
         entries = []
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
             entries.append(P.ChatLogProb(
-                **self._top(tid, lps[tid]),
-                top_logprobs=[P.TopLogprob(**self._top(t, v)) for t, v in top]))
+                **self._top(tid, lps[tid], as_id),
+                top_logprobs=[P.TopLogprob(**self._top(t, v, as_id)) for t, v in top]))
         return P.ChatLogProbs(content=entries)
 
-    def _top(self, tid, value) -> dict:
-        s = self._token_str(tid)
+    def _top(self, tid, value, as_id) -> dict:
+        s = self._token_str(tid, as_id)
         return {"token": s, "logprob": max(value, MIN_LOGPROB), "bytes": list(s.encode())}
 
-    def _completion_logprobs(self, c, start: int, offset: int) -> P.CompletionLogProbs:
+    def _completion_logprobs(self, c, start: int, offset: int, as_id: bool
+                             ) -> P.CompletionLogProbs:
         lp = P.CompletionLogProbs()
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = self._token_str(tid)
+            s = self._token_str(tid, as_id)
             lp.tokens.append(s)
             lp.token_logprobs.append(max(lps[tid], MIN_LOGPROB))
-            lp.top_logprobs.append({self._token_str(t): max(v, MIN_LOGPROB) for t, v in lps.items()})
+            lp.top_logprobs.append({self._token_str(t, as_id): max(v, MIN_LOGPROB)
+                                    for t, v in lps.items()})
             lp.text_offset.append(offset)
             offset += len(s)
         return lp
@@ -186,7 +190,8 @@ class OpenAIServing:
         _check_not_cut(final.outputs)
         choices = [P.ChatChoice(
             index=c.index, message=P.ChatMessageOut(content=c.text),
-            logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
+            logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+            if req.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
@@ -210,7 +215,8 @@ class OpenAIServing:
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
-                    lp = self._chat_logprobs(c, sent_tok[i], k) if req.logprobs else None
+                    lp = (self._chat_logprobs(c, sent_tok[i], k, req.return_tokens_as_token_ids)
+                          if req.logprobs else None)
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(chunk(P.ChatStreamChoice(
@@ -263,7 +269,8 @@ class OpenAIServing:
         _check_not_cut([c for out in finals.values() for c in out.outputs])
         choices = [P.CompletionChoice(
             index=k * req.n + c.index, text=c.text,
-            logprobs=self._completion_logprobs(c, 0, 0) if req.logprobs is not None else None,
+            logprobs=(self._completion_logprobs(c, 0, 0, req.return_tokens_as_token_ids)
+                      if req.logprobs is not None else None),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             prompt_logprobs=self._prompt_logprobs(finals[k]) if c.index == 0 else None)
             for k in sorted(finals) for c in finals[k].outputs]
@@ -288,7 +295,8 @@ class OpenAIServing:
                         continue
                     lp = None
                     if req.logprobs is not None:
-                        lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]))
+                        lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]),
+                                                       req.return_tokens_as_token_ids)
                     sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(P.CompletionResponse(
