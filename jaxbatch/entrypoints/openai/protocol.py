@@ -85,7 +85,6 @@ class ErrorResponse(_Model):
 class StreamOptions(_Request):
     include_usage: bool | None = False
 
-
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
@@ -114,6 +113,7 @@ class _SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
     return_tokens_as_token_ids: bool = False    # logprob tokens as "token_id:N"
+    include_stop_str_in_output: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour, or a bound

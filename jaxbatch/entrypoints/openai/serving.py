@@ -56,6 +56,15 @@ def wire_reason(reason: str | None) -> str | None:
     return "length" if reason == "abort" else reason
 
 
+def _text(c, req) -> str:
+    """With include_stop_str_in_output, the matched stop string too: the engine cuts its text
+    exactly where the stop string begins, so appending it gives vLLM's output."""
+    if req.include_stop_str_in_output and c.finish_reason == "stop" \
+            and isinstance(c.stop_reason, str):
+        return c.text + c.stop_reason
+    return c.text
+
+
 def _check_not_cut(outputs) -> None:
     if any(c.finish_reason == "abort" for c in outputs):
         raise APIError(503, CUT, None, {"Retry-After": "5"})
@@ -189,7 +198,7 @@ class OpenAIServing:
             stream.abort()
         _check_not_cut(final.outputs)
         choices = [P.ChatChoice(
-            index=c.index, message=P.ChatMessageOut(content=c.text),
+            index=c.index, message=P.ChatMessageOut(content=_text(c, req)),
             logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0, req.return_tokens_as_token_ids)
             if req.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
@@ -211,13 +220,13 @@ class OpenAIServing:
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = c.index, c.finish_reason is not None
-                    delta = c.text[len(sent_text[i]):]
+                    delta = _text(c, req)[len(sent_text[i]):]
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
                     lp = (self._chat_logprobs(c, sent_tok[i], k, req.return_tokens_as_token_ids)
                           if req.logprobs else None)
-                    sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                    sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(chunk(P.ChatStreamChoice(
                         index=i, delta=P.DeltaMessage(content=delta or (None if fin else "")),
@@ -268,7 +277,7 @@ class OpenAIServing:
                 s.abort()
         _check_not_cut([c for out in finals.values() for c in out.outputs])
         choices = [P.CompletionChoice(
-            index=k * req.n + c.index, text=c.text,
+            index=k * req.n + c.index, text=_text(c, req),
             logprobs=(self._completion_logprobs(c, 0, 0, req.return_tokens_as_token_ids)
                       if req.logprobs is not None else None),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -289,7 +298,7 @@ class OpenAIServing:
                 cached[k] = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = k * req.n + c.index, c.finish_reason is not None
-                    delta = c.text[len(sent_text[i]):]
+                    delta = _text(c, req)[len(sent_text[i]):]
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs is not None and new_tokens)):
                         continue
@@ -297,7 +306,7 @@ class OpenAIServing:
                     if req.logprobs is not None:
                         lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]),
                                                        req.return_tokens_as_token_ids)
-                    sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                    sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(P.CompletionResponse(
                         id=rid, created=created, model=self.model_name,
