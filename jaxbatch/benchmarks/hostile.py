@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -83,26 +84,16 @@ class Bench:
         self.rows.append(r)
         print(json.dumps(r), flush=True)
 
-    def health_probe(self, stop: threading.Event, out: list) -> None:
-        with httpx.Client(base_url=self.base, timeout=10) as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    ok = c.get("/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                out.append(time.monotonic() - t0 if ok else float("inf"))
-                time.sleep(0.02)
+    def health_probe(self) -> "HealthProbe":
+        return HealthProbe(self.base)
 
     # ---- cases ----------------------------------------------------------------------------
     def idle(self):
         """/health p99 with nothing else going on: the baseline for the two below."""
-        before, t0, stop, lat = rss_mb(self.pid), time.monotonic(), threading.Event(), []
-        probe = threading.Thread(target=self.health_probe, args=(stop, lat))
-        probe.start()
+        before, t0 = rss_mb(self.pid), time.monotonic()
+        probe = self.health_probe()
         time.sleep(3.0 if self.tiny else 10.0)
-        stop.set()
-        probe.join()
+        lat = probe.stop()
         self.row("idle: /health alone", "200", time.monotonic() - t0, before,
                  health_p99_ms=_p99_ms(lat))
 
@@ -143,9 +134,7 @@ class Bench:
         before, t0 = rss_mb(self.pid), time.monotonic()
         socks = [socket.create_connection(("127.0.0.1", self.port), timeout=10)
                  for _ in range(count)]
-        stop, lat = threading.Event(), []
-        probe = threading.Thread(target=self.health_probe, args=(stop, lat))
-        probe.start()
+        probe = self.health_probe()
         closed = 0
         while time.monotonic() - t0 < seconds:
             for s in list(socks):
@@ -156,8 +145,7 @@ class Bench:
                     s.close()
                     closed += 1
             time.sleep(0.5)
-        stop.set()
-        probe.join()
+        lat = probe.stop()
         for s in socks:
             s.close()
         self.row(f"slowloris: {count} sockets, {seconds:g} s", f"closed {closed}/{count}",
@@ -166,9 +154,7 @@ class Bench:
     def saturation(self):
         count = 8 if self.tiny else 64
         before, t0 = rss_mb(self.pid), time.monotonic()
-        stop, lat, codes = threading.Event(), [], []
-        probe = threading.Thread(target=self.health_probe, args=(stop, lat))
-        probe.start()
+        probe, codes = self.health_probe(), []
 
         def one():
             try:
@@ -185,8 +171,7 @@ class Bench:
             t.start()
         for t in threads:
             t.join()
-        stop.set()
-        probe.join()
+        lat = probe.stop()
         status = ",".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes), key=str))
         self.row(f"saturation: {count} streams", status, time.monotonic() - t0, before,
                  health_p99_ms=_p99_ms(lat))
@@ -243,6 +228,38 @@ class Bench:
         self.row(f"signals: SIGINT+SIGTERM, {count} streams",
                  f"[DONE] {sum(results)}/{count}, exit {code}", time.monotonic() - t0, before,
                  check=False)
+
+
+class HealthProbe:
+    """GET /health every 20 ms from a process of its own (forked: nothing here imports JAX), so
+    the bench's own client threads do not add their GIL waits to the latencies it reports."""
+
+    def __init__(self, base: str):
+        ctx = multiprocessing.get_context("fork")
+        self._stop, self._out = ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_probe_loop, args=(base, self._stop, self._out),
+                                 daemon=True)
+        self._proc.start()
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        lat = self._out.get(timeout=60)
+        self._proc.join(10)
+        return lat
+
+
+def _probe_loop(base, stop, out) -> None:
+    lat = []
+    with httpx.Client(base_url=base, timeout=10) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                ok = c.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            lat.append(time.monotonic() - t0 if ok else float("inf"))
+            time.sleep(0.02)
+    out.put(lat)
 
 
 def _p99_ms(lat: list[float]) -> float | None:
