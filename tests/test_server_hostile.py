@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import MODEL, ServerProcess, idle, metric, raw_post, read_until, wait_for
+from server_utils import ServerProcess, idle, metric, raw_post, read_until, wait_for
 
 pytestmark = pytest.mark.slow
 KEY = "hostile-key"
