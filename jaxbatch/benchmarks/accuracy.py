@@ -32,7 +32,7 @@ from jaxbatch.model import llama, precision
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.worker import attention, kv_cache
-    (bf16 against float32: jaxbatch bench accuracy-bf16, which reuses this harness)
+
 BLOCK_SIZE = 16
 VARIANTS = {  # name: (kv_cache_dtype, quantization)
     "full": ("auto", None),

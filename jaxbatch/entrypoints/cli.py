@@ -118,7 +118,15 @@ def serve(args) -> int:
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
                             http=guarded_protocol(args.timeout_header_read))
     server = DrainingServer(config, app.state.llm, args.shutdown_timeout)
+    # uvicorn puts back the handlers it found once it has shut down: a SIGTERM or SIGINT that
+    # lands between then and the exit would kill a process that has drained cleanly (exit
+    # -15 / 130 instead of 0). The ones it finds ignore it; after it, SIG_IGN itself, as
+    # Python resets its own handlers to the default while the interpreter finalizes.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     engine = app.state.llm.engine
     if engine is not None:
         engine.shutdown()         # a multi-process engine: release the followers

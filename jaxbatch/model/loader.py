@@ -15,6 +15,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import sys
 import time
 
 import jax
@@ -198,10 +200,40 @@ def _load_cache(folder: str):
     return hf_config, params, tokenizer
 
 
+# ---- unreadable cache entries (issue 26; server room, kept self-contained) ------------------
+def _try_load_cache(folder: str):
+    """`_load_cache(folder)`, or None (the entry removed) if it cannot be read: a full disk or a
+    bad file must not fail every start; the checkpoint is converted again instead."""
+    try:
+        return _load_cache(folder)
+    except Exception as e:   # noqa: BLE001 - any unreadable entry is rebuilt the same way
+        print(f"jaxbatch: the weight cache {folder} is unreadable ({type(e).__name__}: {e}); "
+              f"converting the checkpoint again", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def _remove_orphan_tmp_dirs() -> None:
+    """`<key>.tmpPID` folders whose saving process is gone (killed mid-save) are removed."""
+    for path in glob.glob(os.path.join(glob.escape(cache_root()), "*.tmp*")):
+        pid = path.rsplit(".tmp", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass     # alive, another user's
+
+
 def _load_float32(source: str, folder: str, use_cache: bool):
     """(hf_config, float32 params as per-layer dicts, tokenizer, from_cache)."""
-    if use_cache and os.path.isdir(folder):
-        hf_config, params, tokenizer = _load_cache(folder)
+    if use_cache:
+        _remove_orphan_tmp_dirs()
+    cached = _try_load_cache(folder) if use_cache and os.path.isdir(folder) else None
+    if cached is not None:
+        hf_config, params, tokenizer = cached
         return hf_config, params, tokenizer, True
     if os.path.isdir(source):
         hf_config, state = read_hf_directory(source)
@@ -234,8 +266,10 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
     source = resolve_source(model)
     folder = _cache_dir(source)
     int8_folder = folder + "-int8"
-    if quantization == "int8" and use_cache and os.path.isdir(int8_folder):
-        hf_config, params, tokenizer = _load_cache(int8_folder)
+    cached = (_try_load_cache(int8_folder) if quantization == "int8" and use_cache
+              and os.path.isdir(int8_folder) else None)
+    if cached is not None:
+        hf_config, params, tokenizer = cached
         from_cache = True
     else:
         hf_config, params, tokenizer, from_cache = _load_float32(source, folder, use_cache)

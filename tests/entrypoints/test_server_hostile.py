@@ -5,13 +5,14 @@ types, seeds, /reset_prefix_cache, request-counted metrics. Each case ends withi
 a normal request right after it gets 200 with the right text."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import httpx
 import pytest
 
-from server_utils import MODEL, ServerProcess, idle, metric, raw_post, read_until, wait_for
+from server_utils import ServerProcess, idle, metric, raw_post, read_until, wait_for
 
 pytestmark = pytest.mark.slow
 KEY = "hostile-key"
@@ -203,9 +204,9 @@ REFUSED = [
     ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
     ("/v1/completions", {"bad_words": ["Paris"]}, "bad_words"),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-    ("/v1/completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [
@@ -265,6 +266,41 @@ def test_prompt_logprobs_are_returned(server):
     for tid, entry in zip(ids[1:], plp[1:]):
         assert str(tid) in entry and entry[str(tid)]["logprob"] <= 0   # the prompt's own token
         assert 2 <= len(entry) <= 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(server, stream):
+    body = {"prompt": "Count: 1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0}
+    full = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = full.strip()[:2]        # a stop string the greedy text is sure to contain
+    assert stop and stop in full
+
+    def text(**extra):
+        b = dict(body, stop=[stop], stream=stream, **extra)
+        r = post(server, "/v1/completions", b)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]["text"]
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    cut = text()
+    assert cut == full[:full.index(stop)]
+    assert text(include_stop_str_in_output=True) == cut + stop
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "logprobs": 1}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    ids = post(server, "/v1/completions", dict(body, return_tokens_as_token_ids=True)
+               ).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in ids["tokens"])
+    got = post(server, "/detokenize", {"tokens": [int(t[9:]) for t in ids["tokens"]]}).json()
+    assert got["prompt"] == "".join(plain["tokens"])
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                 "logprobs": True,
+                                                 "return_tokens_as_token_ids": True}).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
 
 
 def test_truncate_prompt_tokens_keeps_the_end(server):

@@ -89,3 +89,37 @@ def test_hostile_templates_are_stopped(renderer, template, why):
     # The next render works (a fresh child if the last one was killed).
     assert renderer.render("{{ messages[0].content }}!", {"messages": [{"content": "hi"}]},
                            100) == "hi!"
+
+
+def test_health_notices_a_stuck_tokenizer_worker():
+    """The app's /health, in process (no model): 503 while an abandoned worker still runs."""
+    import httpx
+
+    from jaxbatch.entrypoints.async_llm import READY
+    from jaxbatch.entrypoints.openai.app import build_app
+
+    release = threading.Event()
+
+    async def main():
+        app = build_app(lambda: None, served_model_name="m")
+        app.state.llm.state = READY             # as if the engine were up
+        pool = app.state.pre.pool
+        pool.timeout = 0.3
+        pool.start(Tok())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            before = (await c.get("/health")).status_code
+            with pytest.raises(PoolTimeout):
+                await pool.run(lambda tok: release.wait(30))
+            during = await c.get("/health")
+            release.set()
+            for _ in range(100):
+                if pool.stuck() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            after = (await c.get("/health")).status_code
+        pool.shutdown()
+        return before, during, after
+    before, during, after = asyncio.run(main())
+    assert before == 200 and after == 200
+    assert during.status_code == 503 and "stuck" in during.json()["error"]["message"]

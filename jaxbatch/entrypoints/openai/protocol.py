@@ -74,11 +74,9 @@ class ErrorInfo(_Model):
 class ErrorResponse(_Model):
     error: ErrorInfo
 
-
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool | None = False
-
 
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
@@ -117,6 +115,8 @@ class _SamplingRequest(_Request):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    return_tokens_as_token_ids: bool = False    # logprob tokens as "token_id:N"
+    include_stop_str_in_output: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field we accept syntactically but cannot honour, or a bound

@@ -65,6 +65,15 @@ def wire_reason(reason: str | None) -> str | None:
     return "length" if reason == "abort" else reason
 
 
+def _text(c, req) -> str:
+    """With include_stop_str_in_output, the matched stop string too: the engine cuts its text
+    exactly where the stop string begins, so appending it gives vLLM's output."""
+    if req.include_stop_str_in_output and c.finish_reason == "stop" \
+            and isinstance(c.stop_reason, str):
+        return c.text + c.stop_reason
+    return c.text
+
+
 def _check_not_cut(outputs) -> None:
     if any(c.finish_reason == "abort" for c in outputs):
         raise APIError(503, CUT, None, {"Retry-After": "5"})
@@ -98,7 +107,9 @@ class OpenAIServing:
                                 f"tokens. However, your prompt has {len(ids)} tokens (plus one "
                                 f"to generate).", param)
 
-    def _token_str(self, token_id: int) -> str:
+    def _token_str(self, token_id: int, as_id: bool = False) -> str:
+        if as_id:    # vLLM's return_tokens_as_token_ids: unambiguous where bytes split tokens
+            return f"token_id:{token_id}"
         # Decoding one token is a dict lookup after the first time; cheap enough for the loop.
         s = self._token_strings.get(token_id)
         if s is None:
@@ -124,26 +135,28 @@ class OpenAIServing:
         return base, streams
 
     # ---- logprobs ----------------------------------------------------------------------------
-    def _chat_logprobs(self, c, start: int, k: int) -> P.ChatLogProbs:
+    def _chat_logprobs(self, c, start: int, k: int, as_id: bool) -> P.ChatLogProbs:
         entries = []
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
             entries.append(P.ChatLogProb(
-                **self._top(tid, lps[tid]),
-                top_logprobs=[P.TopLogprob(**self._top(t, v)) for t, v in top]))
+                **self._top(tid, lps[tid], as_id),
+                top_logprobs=[P.TopLogprob(**self._top(t, v, as_id)) for t, v in top]))
         return P.ChatLogProbs(content=entries)
 
-    def _top(self, tid, value) -> dict:
-        s = self._token_str(tid)
+    def _top(self, tid, value, as_id) -> dict:
+        s = self._token_str(tid, as_id)
         return {"token": s, "logprob": max(value, MIN_LOGPROB), "bytes": list(s.encode())}
 
-    def _completion_logprobs(self, c, start: int, offset: int) -> P.CompletionLogProbs:
+    def _completion_logprobs(self, c, start: int, offset: int, as_id: bool
+                             ) -> P.CompletionLogProbs:
         lp = P.CompletionLogProbs()
         for tid, lps in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = self._token_str(tid)
+            s = self._token_str(tid, as_id)
             lp.tokens.append(s)
             lp.token_logprobs.append(max(lps[tid], MIN_LOGPROB))
-            lp.top_logprobs.append({self._token_str(t): max(v, MIN_LOGPROB) for t, v in lps.items()})
+            lp.top_logprobs.append({self._token_str(t, as_id): max(v, MIN_LOGPROB)
+                                    for t, v in lps.items()})
             lp.text_offset.append(offset)
             offset += len(s)
         return lp
@@ -199,10 +212,12 @@ class OpenAIServing:
         _check_not_cut(final.outputs)
         choices = []
         for c in final.outputs:
-            message, finish_reason = S.chat_message(c.text, c.finish_reason, tools)
+            message, finish_reason = S.chat_message(_text(c, req), c.finish_reason, tools)
             choices.append(P.ChatChoice(
                 index=c.index, message=P.ChatMessageOut(**message),
-                logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0) if req.logprobs else None,
+                logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0,
+                                             req.return_tokens_as_token_ids)
+                if req.logprobs else None,
                 finish_reason=wire_reason(finish_reason), stop_reason=c.stop_reason))
         n_gen = sum(len(c.token_ids) for c in final.outputs)
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
@@ -223,20 +238,22 @@ class OpenAIServing:
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = c.index, c.finish_reason is not None
-                    delta = c.text[len(sent_text[i]):]
+                    delta = _text(c, req)[len(sent_text[i]):]
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
                     finish_reason = c.finish_reason
                     if tool_streams is not None:   # tool calls (structured.py): maybe held back
-                        fields, finish_reason = tool_streams[i].delta(c.text, fin, c.finish_reason)
+                        fields, finish_reason = tool_streams[i].delta(_text(c, req), fin,
+                                                                      c.finish_reason)
                         if fields is None and not fin:
                             continue
                         message = P.DeltaMessage(**(fields or {}))
                     else:
                         message = P.DeltaMessage(content=delta or (None if fin else ""))
-                    lp = self._chat_logprobs(c, sent_tok[i], k) if req.logprobs else None
-                    sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                    lp = (self._chat_logprobs(c, sent_tok[i], k, req.return_tokens_as_token_ids)
+                          if req.logprobs else None)
+                    sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(chunk(P.ChatStreamChoice(
                         index=i, delta=message, logprobs=lp,
@@ -287,8 +304,9 @@ class OpenAIServing:
                 s.abort()
         _check_not_cut([c for out in finals.values() for c in out.outputs])
         choices = [P.CompletionChoice(
-            index=k * req.n + c.index, text=c.text,
-            logprobs=self._completion_logprobs(c, 0, 0) if req.logprobs is not None else None,
+            index=k * req.n + c.index, text=_text(c, req),
+            logprobs=(self._completion_logprobs(c, 0, 0, req.return_tokens_as_token_ids)
+                      if req.logprobs is not None else None),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             prompt_logprobs=self._prompt_logprobs(finals[k]) if c.index == 0 else None)
             for k in sorted(finals) for c in finals[k].outputs]
@@ -307,14 +325,15 @@ class OpenAIServing:
                 cached[k] = out.num_cached_tokens
                 for c in out.outputs:
                     i, fin = k * req.n + c.index, c.finish_reason is not None
-                    delta = c.text[len(sent_text[i]):]
+                    delta = _text(c, req)[len(sent_text[i]):]
                     new_tokens = len(c.token_ids) > sent_tok[i]
                     if done[i] or not (delta or fin or (req.logprobs is not None and new_tokens)):
                         continue
                     lp = None
                     if req.logprobs is not None:
-                        lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]))
-                    sent_text[i], sent_tok[i], done[i] = c.text, len(c.token_ids), fin
+                        lp = self._completion_logprobs(c, sent_tok[i], len(sent_text[i]),
+                                                       req.return_tokens_as_token_ids)
+                    sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(P.CompletionResponse(
                         id=rid, created=created, model=self.model_name,
