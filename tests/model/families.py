@@ -31,8 +31,8 @@ FAMILIES = {
                                                  "partial_rotary_factor": 0.75})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=WINDOW)),
+    # Renormalised top-k weights are Mixtral's (always); Qwen3-MoE here without them.
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, norm_topk_prob=False, **MOE)),
-    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, norm_topk_prob=True, **MOE)),
 }
 
 
