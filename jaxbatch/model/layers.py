@@ -79,8 +79,8 @@ def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, i
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, cfg.rope_attention_factor)
+    k = apply_rope(k, positions, inv_freq, cfg.rope_attention_factor)
     extra = {}
     if window is not None:
         extra["window"] = window
