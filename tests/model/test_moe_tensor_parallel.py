@@ -12,7 +12,8 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("name,tp", [("mixtral", 2), ("qwen3_moe", 4)])
+# Mixtral: windows, copied KV heads (2 for 4 shards) and one expert per shard at once.
+@pytest.mark.parametrize("name,tp", [("mixtral", 4)])
 def test_moe_under_tensor_parallel_equals_one_device(checkpoint, name, tp):
     folder, _ = checkpoint(name)
     root = os.path.dirname(os.path.dirname(HERE))
