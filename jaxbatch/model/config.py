@@ -51,7 +51,8 @@ class ModelConfig:
     qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
     o_bias: bool = False            # Llama with attention_bias
     # The checkpoint's own limit. Sliding windows no longer cap it: every attention backend
-    # applies the window (`layer_windows`), so a sequence may outgrow it.
+    # applies the window (`layer_windows`), so a sequence may outgrow it. Phi-3's longrope
+    # caps it at original_max_position_embeddings (model/phi3.py says why).
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
