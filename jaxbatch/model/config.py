@@ -51,7 +51,8 @@ class ModelConfig:
     qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
     o_bias: bool = False            # Llama with attention_bias
     # The checkpoint's own limit. Sliding windows no longer cap it: every attention backend
-    # applies the window (`layer_windows`), so a sequence may outgrow it.
+    # applies the window (`layer_windows`), so a sequence may outgrow it. Phi-3's longrope
+    # caps it at original_max_position_embeddings (model/phi3.py says why).
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -73,6 +74,7 @@ class ModelConfig:
     # every layer uses rope_theta / rope_scaling.
     layer_rope: tuple[tuple[float, tuple | None], ...] | None = None
     partial_rotary_factor: float = 1.0      # Phi-4-mini rotates 3/4 of each head
+    rope_attention_factor: float = 1.0      # longrope: cos and sin scaled by this
     num_experts: int = 0                    # > 0: every layer's MLP is a routed MoE block
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -108,7 +110,9 @@ def rope_of(params: dict[str, Any] | None, theta: float | None = None):
     theta = params.pop("rope_theta", None) or theta or 10000.0
     params.pop("partial_rotary_factor", None)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    scaling = None if rope_type == "default" or not params else tuple(sorted(params.items()))
+    # Lists (longrope's factors) become tuples: the config is hashed as a compile key.
+    scaling = None if rope_type == "default" or not params else tuple(sorted(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
     return float(theta), scaling
 
 

@@ -81,8 +81,8 @@ def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, i
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, cfg.rope_attention_factor)
+    k = apply_rope(k, positions, inv_freq, cfg.rope_attention_factor)
     extra = {}
     if window is not None:
         extra["window"] = window
@@ -114,7 +114,11 @@ def moe_block(layer, cfg: ModelConfig, x, index):
     """Routed experts, computed densely: every expert runs on every token and the router's
     top-k weights (zero elsewhere) combine them. E / k times the FLOPs of a sparse dispatch,
     but one fixed shape, no sort or gather, and each expert's matmul is `_dense` like any
-    other (measured against `jax.lax.ragged_dot` in tests/model/README's numbers)."""
+    other. Measured on this CPU (XLA:CPU, float32, jit, median of 20; tokens grouped by expert
+    with argsort + `jax.lax.ragged_dot` for the other): T=16 d=64 F=32 E=4 k=2 0.07 vs
+    0.08 ms; T=256 0.17 vs 0.53 ms; T=16 d=512 F=256 E=8 2.3 vs 9.1 ms; T=256 same 66 vs 110 ms;
+    T=16 d=1024 F=768 E=64 k=8 1.7 vs 4.0 s: dense wins everywhere on CPU. A GPU, where
+    ragged_dot has a grouped-GEMM lowering, is unmeasured (no device was lent)."""
     logits = _matmul(x, layer["w_router"], index).astype(jnp.float32)          # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)               # [T, k]

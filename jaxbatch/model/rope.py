@@ -19,6 +19,8 @@ def _inverse_frequencies(theta: float, scaling: dict | None, dim: int) -> np.nda
     if scaling is None:
         return inv_freq.astype(np.float32)
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in ("longrope", "su"):     # the short factors: see model/phi3.py
+        return (inv_freq / np.asarray(scaling["short_factor"], np.float64)).astype(np.float32)
     if rope_type == "linear":
         return (inv_freq / scaling["factor"]).astype(np.float32)
     if rope_type == "llama3":
@@ -35,7 +37,8 @@ def _inverse_frequencies(theta: float, scaling: dict | None, dim: int) -> np.nda
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(is_medium, blended, scaled).astype(np.float32)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: linear, llama3, "
+                     "longrope (Phi-3)")
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -47,13 +50,15 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
                      for theta, s in cfg.layer_rope])
 
 
-def apply_rope(x, positions, inv_freq):
+def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
     """x: [T, heads, head_dim]; positions: [T] int32; inv_freq [R/2] (R <= head_dim: features
-    past R are not rotated) -> same shape as x."""
+    past R are not rotated); `attention_factor` scales cos and sin (longrope) -> x's shape."""
     rot = 2 * inv_freq.shape[-1]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]     # [T, 1, R]
     sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     x32 = x.astype(jnp.float32)
     x_rot, x_pass = x32[..., :rot], x32[..., rot:]
     half = rot // 2

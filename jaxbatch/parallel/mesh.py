@@ -34,7 +34,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int) -> None:
         # needs a whole number of copies.
         raise ValueError(f"tensor_parallel_size={tp} and num_kv_heads={kvh}: one must divide "
                          f"the other")
-    if cfg.intermediate_size % tp:
+    if cfg.num_experts:
+        # MoE (issue 24): whole experts per shard; the dense intermediate_size is unused.
+        if cfg.num_experts % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
+                             f"num_experts={cfg.num_experts}")
+    elif cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
                          f"intermediate_size={cfg.intermediate_size}")
 

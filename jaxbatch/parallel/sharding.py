@@ -8,6 +8,9 @@ mesh axis. This is the runner's only contact with sharding (`ModelRunner(tensor_
     bq bk bv              [.., out]     split like their matrix
     embed, norms, bo      replicated
     lm_head               [d, V]        split on V (vocab-parallel) when tp divides V
+    we_gate we_up we_down [L, E, ..]    MoE experts: split on E (whole experts per shard); the
+                                        router-weighted sum over experts is the all-reduce
+
     KV pool (k, v)        [KVH, L*N, bs, Dh]  split on KV heads: every block id exists on every
                                         shard, so the host (scheduler, block manager) is unchanged
 
@@ -36,6 +39,7 @@ from jaxbatch.parallel.mesh import TP_AXIS, check_tensor_parallel, make_tp_mesh
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")
 ROW_PARALLEL = ("wo", "w_down")
 KV_PROJECTIONS = ("wk", "wv", "bk", "bv")
+EXPERTS = ("we_gate", "we_up", "we_down")      # MoE families (jaxbatch/model/moe.py)
 HEADS = P(None, TP_AXIS, None)          # q, k, v, attention output: [T, heads, Dh]
 POOL = P(TP_AXIS)                       # [KVH, L*N, bs, Dh]
 
@@ -43,6 +47,8 @@ POOL = P(TP_AXIS)                       # [KVH, L*N, bs, Dh]
 def _leaf_spec(name: str, ndim: int, vocab_split: bool) -> P:
     """`ndim` counts the layer axis of stacked arrays: wq is [L, d, out] stacked, [d, out] as
     one array of the per-layer tuple layout; biases [L, out]."""
+    if name in EXPERTS:                 # always stacked: [L, E, in, out]
+        return P(None, TP_AXIS, None, None)
     if name in COLUMN_PARALLEL:
         return P(*([None] * (ndim - 1)), TP_AXIS)
     if name in ROW_PARALLEL:

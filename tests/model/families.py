@@ -26,13 +26,18 @@ FAMILIES = {
                                                                "factor": 4.0, "rope_theta": 1e6},
                                             "sliding_attention": {"rope_type": "default",
                                                                   "rope_theta": 1e4}})),
+    # Phi-4-mini's rope: longrope (short factors within 128 positions) on 3/4 of each head.
     "phi3": ("Phi3Config", dict(sliding_window=WINDOW, head_dim=None,
-                                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                 "partial_rotary_factor": 0.75})),
+                                original_max_position_embeddings=128,
+                                rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                 "partial_rotary_factor": 0.75,
+                                                 "short_factor": [1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
+                                                 "long_factor": [1.5, 3.0, 6.0, 12.0, 24.0,
+                                                                 48.0]})),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=WINDOW)),
+    # Renormalised top-k weights are Mixtral's (always); Qwen3-MoE here without them.
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, norm_topk_prob=False, **MOE)),
-    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, norm_topk_prob=True, **MOE)),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from families import hf_config
@@ -60,6 +61,9 @@ def test_family_configs():
     assert dict(legacy_cfg.layer_rope[1][1])["factor"] == 8.0
     phi = config_from_hf(_hf("phi3"))
     assert phi.rotary_dim == 12 and phi.layer_windows == (8,) * 4
+    # longrope: factor 1024 / 128 = 8 -> sqrt(1 + ln 8 / ln 128); capped at 128 positions.
+    assert phi.rope_attention_factor == pytest.approx((1 + np.log(8) / np.log(128)) ** 0.5)
+    assert phi.max_position_embeddings == 128
     q3 = config_from_hf(_hf("qwen3"))
     assert q3.qk_norm and q3.layer_windows == (0, 0, 8, 8)
     mix = config_from_hf(_hf("mixtral"))
@@ -69,8 +73,8 @@ def test_family_configs():
 
 @pytest.mark.parametrize("name,changes,match", [
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
-                                   "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
-     "longrope"),
+                                   "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                  original_max_position_embeddings=None), "original_max_position_embeddings"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), "dense layers among the experts"),
     ("qwen3_moe", dict(decoder_sparse_step=2), "dense layers among the experts"),
     ("gemma2", dict(hidden_activation="relu"), "hidden_activation='relu'"),
