@@ -31,8 +31,12 @@ ZOO = [
     ("chat_template bomb", "/v1/chat/completions", {"chat_template": "{% for i in range(100000) %}"
                                                     "{% for j in range(100000) %}{% endfor %}{% endfor %}"}),
     ("string bomb template", "/v1/chat/completions", {"chat_template": '{{ "ab " * 7000000 }}'}),
-    ("response_format", "/v1/chat/completions", {"response_format": {"type": "json_object"}}),
-    ("tools", "/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("response_format yaml", "/v1/chat/completions", {"response_format": {"type": "yaml"}}),
+    ("invalid JSON schema", "/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+    ("tool_choice names no tool", "/v1/chat/completions", {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}),
     ("unknown field", "/v1/completions", {"frobnicate": 1}),
     ("max_tokens '5'", "/v1/completions", {"max_tokens": "5"}),
     ("stream 'yes'", "/v1/completions", {"stream": "yes"}),

@@ -42,7 +42,7 @@ def test_backends_agree_and_a_step_packs_its_prefill_chunks_into_one_call():
                              max_num_batched_tokens=128, attention_backend=backend)
         calls = []
         dispatch = engine.runner._dispatch
-        engine.runner._dispatch = lambda call: calls.append(call.key) or dispatch(call)
+        engine.runner._dispatch = lambda call, *rest: calls.append(call.key) or dispatch(call, *rest)
         engine.add_request("first", prompts[0], params[0])
         engine.step()
         assert [k[0] for k in calls] == ["prefill"]
