@@ -133,3 +133,28 @@ def test_bad_lora_requests_are_value_errors_that_change_nothing(setup, tmp_path)
     with pytest.raises(ValueError, match="speculative_config"):
         LLMEngine(loaded=loaded, enable_lora=True,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+class KeyRecorder:
+    def __init__(self):
+        self.keys = []
+
+    def on_executable(self, key, seconds):
+        self.keys.append(key[0])
+
+
+def test_calls_without_adapter_rows_run_the_plain_executables(setup):
+    _, _, requests, engine, _ = setup
+    recorder = KeyRecorder()
+    engine.runner.executable_observers.append(recorder)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        run(engine, [([9, 8, 7, 6], sp, None)])
+        assert recorder.keys and not any(k.endswith("_lora") for k in recorder.keys)
+        recorder.keys.clear()
+        run(engine, [([9, 8, 7, 6], sp, requests["b"])])
+        assert {"prefill_lora", "decode_lora"} <= set(recorder.keys)
+        assert not {"prefill", "decode"} & set(recorder.keys)
+    finally:
+        engine.runner.executable_observers.remove(recorder)
+    assert engine.stats()["num_compilations_after_warmup"] == 0
