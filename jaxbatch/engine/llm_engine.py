@@ -141,9 +141,8 @@ class LLMEngine(EngineBase):
                     lora_request=None) -> None:
         """Validates everything before touching any state, so a rejected request changes nothing.
         `lora_request`: a jaxbatch.LoRARequest (needs enable_lora=True) or None."""
-        text, ids, params = self.validate_request(request_id, prompt, params, priority,
-                                                  lora_request)
-        lora = None if lora_request is None else (lora_request, self.lora.check(lora_request))
+        text, ids, params = self.validate_request(request_id, prompt, params, priority)
+        lora = None if lora_request is None else (lora_request, self._lora_weights(lora_request))
         if lora is not None:   # its KV is the adapter's: cached under the adapter's salt
             params = dataclasses.replace(params, cache_salt=lora_cache_salt(params.cache_salt,
                                                                             lora_request))
@@ -156,10 +155,7 @@ class LLMEngine(EngineBase):
                          ) -> tuple[str | None, list[int], SamplingParams]:
         """Raises ValueError naming what is wrong; returns (prompt text, token ids, params).
         Changes nothing, so a caller can check a whole batch before adding any of it."""
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError("lora_request needs an engine built with enable_lora=True")
-            self.lora.check(lora_request)
+        self._lora_weights(lora_request)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -194,6 +190,14 @@ class LLMEngine(EngineBase):
             raise ValueError(f"priority={priority!r} must be an integer")
         self.structured.check(params)      # structured outputs: the grammar compiles
         return text, ids, params
+
+    def _lora_weights(self, lora_request):
+        """The adapter's host weights (ValueError if bad, or if this is no LoRA engine)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        return self.lora.check(lora_request)
 
     def _create_sequences(self, request_id, text, ids, params, priority, now, lora=None) -> None:
         seqs = []

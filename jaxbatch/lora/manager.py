@@ -30,6 +30,7 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or self.max_loras, self.max_loras)
         self.known: dict[int, LoRARequest] = {}
         self.host: collections.OrderedDict[int, LoRAWeights] = collections.OrderedDict()
+        self._read_from: dict[int, str] = {}                  # host copy -> the path it came from
         self.slot_of: dict[int, int] = {}                    # resident adapter -> its slot
         self.recent: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.free_slots = list(range(1, pool.num_slots))
@@ -43,7 +44,8 @@ class LoRAManager:
 
     # ---- requests (the engine's) ---------------------------------------------------------
     def check(self, request: LoRARequest) -> LoRAWeights:
-        """Raises ValueError for a bad or conflicting request; changes nothing."""
+        """Raises ValueError for a bad or conflicting request. What it read is kept in the host
+        cache (only a cache: a batch validated, then added, reads each adapter once)."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, not {type(request).__name__}")
         request.check()
@@ -56,7 +58,13 @@ class LoRAManager:
                 raise ValueError(f"lora_name {request.lora_name!r} already has lora_int_id "
                                  f"{other.lora_int_id}")
         weights = self.host.get(request.lora_int_id)
-        return weights if weights is not None else self._read(request.lora_path)
+        if weights is None or self._read_from.get(request.lora_int_id) != request.lora_path:
+            weights = self._read(request.lora_path)
+            self.host[request.lora_int_id] = weights
+            self._read_from[request.lora_int_id] = request.lora_path
+        self.host.move_to_end(request.lora_int_id)
+        self._trim_host(keep=request.lora_int_id)
+        return weights
 
     def add(self, seq: Sequence, request: LoRARequest, weights: LoRAWeights) -> None:
         seq.lora_int_id = request.lora_int_id
@@ -77,6 +85,7 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {lora_name!r} is in use by {self.live[lid]} request(s)")
         del self.known[lid]
         self.host.pop(lid, None)
+        self._read_from.pop(lid, None)
         if lid in self.slot_of:
             self._evict(lid)
         return True
@@ -140,10 +149,12 @@ class LoRAManager:
         self.users.pop(lid, None)
         self.num_evictions += 1
 
-    def _trim_host(self) -> None:
-        spare = [lid for lid in self.host if not self.live[lid] and lid not in self.slot_of]
+    def _trim_host(self, keep: int | None = None) -> None:
+        spare = [lid for lid in self.host
+                 if not self.live[lid] and lid not in self.slot_of and lid != keep]
         for lid in spare[:max(0, len(self.host) - self.max_cpu_loras)]:
             del self.host[lid]
+            self._read_from.pop(lid, None)
 
     def stats(self) -> dict:
         return {"lora_num_resident": len(self.slot_of), "lora_num_loads": self.num_loads,

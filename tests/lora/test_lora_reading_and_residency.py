@@ -109,3 +109,24 @@ def test_a_waiting_adapter_is_not_starved_by_a_resident_one():
     assert waiting_2 in sched.running and later_1 in sched.waiting
     assert [w for _, w in pool.loads] == ["w1", "w2"] and manager.num_evictions == 1
     assert manager.seq_slot == {waiting_2.seq_id: 1}
+
+
+def test_an_adapter_is_read_once_and_the_host_cache_keeps_max_cpu_loras_spare():
+    reads = []
+    manager = LoRAManager(FakePool(max_loras=1), read=lambda path: reads.append(path) or path,
+                          max_cpu_loras=2)
+    requests = [LoRARequest(f"n{i}", i, f"w{i}") for i in (1, 2, 3)]
+    seqs = []
+    for i in range(3):               # a batch validated, then added: one read
+        manager.check(requests[0])
+    for i in range(3):
+        seq = Sequence(i, "r", 0, [5], SamplingParams(), 0, 0.0, 0)
+        manager.add(seq, requests[0], manager.check(requests[0]))
+        seqs.append(seq)
+    assert reads == ["w1"]
+    for lr in requests[1:]:
+        manager.check(lr)
+    assert reads == ["w1", "w2", "w3"] and len(manager.host) == 3      # w1 is live: kept
+    for seq in seqs:
+        manager.finished(seq)
+    assert len(manager.host) == 2 and 1 not in manager.host             # least recent dropped
