@@ -152,7 +152,7 @@ class LoRAManager:
     def _trim_host(self, keep: int | None = None) -> None:
         spare = [lid for lid in self.host
                  if not self.live[lid] and lid not in self.slot_of and lid != keep]
-        for lid in spare[:max(0, len(self.host) - self.max_cpu_loras)]:
+        for lid in spare[:max(0, len(spare) - self.max_cpu_loras)]:
             del self.host[lid]
             self._read_from.pop(lid, None)
 
