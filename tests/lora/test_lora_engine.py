@@ -158,3 +158,18 @@ def test_calls_without_adapter_rows_run_the_plain_executables(setup):
     finally:
         engine.runner.executable_observers.remove(recorder)
     assert engine.stats()["num_compilations_after_warmup"] == 0
+
+
+def test_llm_generate_takes_one_lora_request_or_one_per_prompt(setup):
+    from jaxbatch import LLM
+    _, _, requests, engine, _ = setup
+    llm = LLM.from_engine(engine)
+    prompts = random_token_prompts(np.random.default_rng(11), [6, 13])
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    mixed = llm.generate(prompts, sp, use_tqdm=False, lora_request=[None, requests["b"]])
+    expected = [run(engine, [(prompts[0], sp, None)])[0], run(engine, [(prompts[1], sp, requests["b"])])[0]]
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in expected]
+    both = llm.generate(prompts, sp, use_tqdm=False, lora_request=requests["b"])
+    assert both[1].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 prompts"):
+        llm.generate(prompts, sp, use_tqdm=False, lora_request=[requests["b"]])
