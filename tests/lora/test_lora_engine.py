@@ -173,3 +173,23 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(setup):
     assert both[1].outputs[0].token_ids == expected[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="2 prompts"):
         llm.generate(prompts, sp, use_tqdm=False, lora_request=[requests["b"]])
+
+
+def test_preempted_adapter_sequences_resume_with_their_adapter(setup):
+    """A pool too small for the batch, one adapter slot: sequences are preempted and swapped
+    and still produce their tokens alone; nothing leaks."""
+    _, _, requests, _, loaded = setup
+    engine = LLMEngine(loaded=loaded, max_model_len=96, max_num_seqs=4, num_blocks=14,
+                       block_size=8, warmup=False, compilation_cache=False,
+                       prefill_chunk_size=16, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = random_token_prompts(np.random.default_rng(5), [30, 25, 34, 28])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    which = ["a", "a", None, "b"]
+    jobs = [(p, sp, requests[w] if w else None) for p, w in zip(prompts, which)]
+    together = run(engine, jobs)
+    assert engine.stats()["num_preemptions"] > 0
+    alone = [run(engine, [job])[0] for job in jobs]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["lora_running"] == {}
+    assert engine.lora.seq_slot == {} and not engine.lora.live
