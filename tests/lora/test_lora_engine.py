@@ -193,3 +193,15 @@ def test_preempted_adapter_sequences_resume_with_their_adapter(setup):
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["lora_running"] == {}
     assert engine.lora.seq_slot == {} and not engine.lora.live
+
+
+def test_plain_keys_of_a_lora_engine_lower_to_the_engine_without_lora(setup):
+    """Calls without adapter rows run exactly today's computation (the same lowered HLO)."""
+    _, _, _, _, loaded = setup
+    texts = []
+    for kw in ({}, {"enable_lora": True}):
+        runner = LLMEngine(loaded=loaded, max_model_len=64, max_num_seqs=2, warmup=False,
+                           compilation_cache=False, **kw).runner
+        keys = [k for k in runner.bucket_shapes() if k[0] in ("decode", "prefill")][:3]
+        texts.append([runner.executables.lower(k, runner.example_args(k)).as_text() for k in keys])
+    assert texts[0] == texts[1]
