@@ -7,9 +7,10 @@ modules import no JAX; `import jaxbatch` stays light until LLM is used.
 """
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxbatch.lora.request import LoRARequest     # plain data, no JAX
 
 __all__ = ["LLM", "LLMEngine", "build_engine", "SamplingParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "RequestMetrics"]
+           "RequestOutput", "CompletionOutput", "RequestMetrics", "LoRARequest"]
 
 
 def __getattr__(name):

@@ -52,6 +52,7 @@ class Sequence:
     slot: int | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    lora_int_id: int = 0            # its LoRA adapter (jaxbatch/lora/), 0 = the base model
     # Prefix caching: the keys of the sequence's full blocks, computed as far as needed (its
     # tokens only ever grow, so they stay valid), and the prompt tokens its first admission
     # found in the cache.

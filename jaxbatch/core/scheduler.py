@@ -38,6 +38,9 @@ class Scheduler:
         self.kv_cache = KVCacheManager(config, cache_namespace)
         self.blocks = self.kv_cache.blocks      # allocation: grow, shrink, free, block tables
         self.speculation = speculation
+        # LoRA engines' admission seam (jaxbatch/lora/manager.py): begin_admission, can_admit,
+        # admitted, released, finished; None otherwise.
+        self.admission = None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs))
@@ -58,6 +61,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
+        if self.admission is not None:
+            self.admission.released(seq)
         if seq.slot is not None:
             bisect.insort(self.free_slots, seq.slot)
             seq.slot = None
@@ -70,6 +75,8 @@ class Scheduler:
         while seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
             seq.output_token_ids.pop()     # finished before its token was read: not its token
         self._release(seq)
+        if self.admission is not None:
+            self.admission.finished(seq)
         seq.status = status
         seq.stop_reason = stop_reason
         seq.finished_time = time.monotonic()
@@ -95,11 +102,15 @@ class Scheduler:
         outstanding = sum(self.blocks.num_missing_blocks(s.seq_id, s.num_tokens + 1)
                           for s in self.running if not self._ends_with_pending_token(s))
         now = time.monotonic()
+        if self.admission is not None:
+            self.admission.begin_admission()
         for seq in sorted(self.waiting, key=self._key):
             if not self.free_slots:
                 break
             if self._sibling_computing_prompt(seq):
                 continue   # it finds the prompt in the cache once the sibling has computed it
+            if self.admission is not None and not self.admission.can_admit(seq):
+                continue   # its LoRA adapter has no slot yet; others may still start
             hits = self.kv_cache.computed_blocks(seq)
             need = self.blocks.num_blocks_taken_by(hits, seq.num_tokens + 1)
             if outstanding + need > self.blocks.num_free_blocks:
@@ -110,6 +121,8 @@ class Scheduler:
             # Parked hits left the free count just now; only the new blocks are still owed.
             outstanding += need - (free_before - self.blocks.num_free_blocks)
             seq.slot = self.free_slots.pop(0)
+            if self.admission is not None:
+                self.admission.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

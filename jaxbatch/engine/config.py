@@ -135,9 +135,21 @@ class RuntimeOptions:
                                      "(~/.cache/jaxbatch, or $JAXBATCH_CACHE)")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAOptions:
+    enable_lora: bool = option(False, "serve PEFT LoRA adapters (lora_request=, or a server "
+                               "request's model naming one); every model call then also "
+                               "takes the adapter pool")
+    max_loras: int = option(4, "adapters resident on the device at once (one step may mix "
+                            "them all)")
+    max_lora_rank: int = option(16, "highest adapter rank accepted (the pool's padded rank)")
+    max_cpu_loras: int | None = option(None, "adapters kept in host memory besides those in "
+                                       "use; None: max_loras")
+
+
 GROUPS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
           "speculative": SpeculativeOptions, "parallel": ParallelOptions,
-          "runtime": RuntimeOptions}
+          "runtime": RuntimeOptions, "lora": LoRAOptions}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +160,12 @@ class EngineConfig:
     speculative: SpeculativeOptions = dataclasses.field(default_factory=SpeculativeOptions)
     parallel: ParallelOptions = dataclasses.field(default_factory=ParallelOptions)
     runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
+    lora: LoRAOptions = dataclasses.field(default_factory=LoRAOptions)
 
     def __post_init__(self):
         for name, value in self.as_kwargs().items():
             _check(name, value, OPTIONS[name])
+        _check_lora(self)
         SpeculativeConfig.from_dict(self.speculative.speculative_config)   # raises if invalid
 
     @classmethod
@@ -192,6 +206,23 @@ def _check(name: str, value, field: dataclasses.Field) -> None:
                              f"{'>= 0' if name in NON_NEGATIVE else 'a positive integer'}")
     if field.type == "bool" and not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _check_lora(config: "EngineConfig") -> None:
+    """What LoRA serving does not combine with (yet): refused, not ignored."""
+    if not config.lora.enable_lora:
+        return
+    par = config.parallel
+    refused = [name for name, on in (
+        ("tensor_parallel_size > 1", par.tensor_parallel_size > 1),
+        ("data_parallel_size > 1", par.data_parallel_size > 1),
+        ("num_processes > 1", par.num_processes > 1),
+        ("speculative_config", config.speculative.speculative_config is not None)) if on]
+    if refused:
+        raise ValueError(f"enable_lora=True is not supported with {', '.join(refused)}")
+    cpu = config.lora.max_cpu_loras
+    if cpu is not None and cpu < config.lora.max_loras:
+        raise ValueError(f"max_cpu_loras={cpu} must be >= max_loras={config.lora.max_loras}")
 
 
 def flag_name(name: str) -> str:

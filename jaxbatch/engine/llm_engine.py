@@ -17,10 +17,12 @@ Building an engine (weights, sizes, runner, speculation) is `setup.py`'s; the op
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
 import numpy as np
+
 
 from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.core.scheduler import Scheduler
@@ -28,6 +30,7 @@ from jaxbatch.engine import setup
 from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
+from jaxbatch.lora.request import lora_cache_salt
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
@@ -82,6 +85,8 @@ class LLMEngine(EngineBase):
         else:
             setup.check_shared_runner(runner, self.config, config)
         self.runner = runner
+        # LoRA adapters (jaxbatch/lora/): the manager, or None without enable_lora.
+        self.lora = setup.lora_manager(config, runner, self.scheduler)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   eos)
@@ -132,17 +137,25 @@ class LLMEngine(EngineBase):
         return None, [int(t) for t in ids]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Validates everything before touching any state, so a rejected request changes nothing."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request=None) -> None:
+        """Validates everything before touching any state, so a rejected request changes nothing.
+        `lora_request`: a jaxbatch.LoRARequest (needs enable_lora=True) or None."""
         text, ids, params = self.validate_request(request_id, prompt, params, priority)
+        lora = None if lora_request is None else (lora_request, self._lora_weights(lora_request))
+        if lora is not None:   # its KV is the adapter's: cached under the adapter's salt
+            params = dataclasses.replace(params, cache_salt=lora_cache_salt(params.cache_salt,
+                                                                            lora_request))
         request_id = str(request_id)
         now = time.monotonic() if arrival_time is None else arrival_time
-        self._create_sequences(request_id, text, ids, params, priority, now)
+        self._create_sequences(request_id, text, ids, params, priority, now, lora)
 
     def validate_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                         priority: int = 0) -> tuple[str | None, list[int], SamplingParams]:
+                         priority: int = 0, lora_request=None
+                         ) -> tuple[str | None, list[int], SamplingParams]:
         """Raises ValueError naming what is wrong; returns (prompt text, token ids, params).
         Changes nothing, so a caller can check a whole batch before adding any of it."""
+        self._lora_weights(lora_request)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -178,7 +191,15 @@ class LLMEngine(EngineBase):
         self.structured.check(params)      # structured outputs: the grammar compiles
         return text, ids, params
 
-    def _create_sequences(self, request_id, text, ids, params, priority, now) -> None:
+    def _lora_weights(self, lora_request):
+        """The adapter's host weights (ValueError if bad, or if this is no LoRA engine)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        return self.lora.check(lora_request)
+
+    def _create_sequences(self, request_id, text, ids, params, priority, now, lora=None) -> None:
         seqs = []
         for i in range(params.n):
             if params.seed is None:
@@ -189,6 +210,8 @@ class LLMEngine(EngineBase):
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None] * len(ids)
             self._next_seq_id += 1
+            if lora is not None:
+                self.lora.add(seq, *lora)
             seqs.append(seq)
         self.outputs.add(RequestState(request_id, text, ids, params, now, seqs, [""] * params.n))
         for seq in seqs:
@@ -360,6 +383,7 @@ class LLMEngine(EngineBase):
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(speculation.stats() if speculation is not None else NO_SPECULATION_STATS),
             **self.structured.stats(),        # structured outputs: structured_* counters
+            **(self.lora.stats() if self.lora is not None else {}),   # LoRA: lora_* counters
         }
 
 

@@ -118,9 +118,29 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
         from jaxbatch.parallel.sharding import TensorParallel
         tp = TensorParallel(config.parallel.tensor_parallel_size, devices)
     rt = config.runtime
-    return ModelRunner(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
-                       rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
-                       lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None)
+    runner_class, extra = ModelRunner, {}
+    if config.lora.enable_lora:        # LoRA: the pool rides in every model call
+        from jaxbatch.lora.runner import LoRARunner
+        runner_class = LoRARunner
+        extra = dict(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
+    return runner_class(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
+                        rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
+                        lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None,
+                        **extra)
+
+
+def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):
+    """LoRA engines: the adapter manager, wired as the scheduler's admission seam and the
+    runner's per-row slots; None without enable_lora."""
+    if not config.lora.enable_lora:
+        return None
+    from jaxbatch.lora.runner import LoRARunner
+    from jaxbatch.lora.setup import make_manager
+    if not isinstance(runner, LoRARunner):
+        raise ValueError("enable_lora=True cannot reuse a runner= built without it")
+    manager = make_manager(runner, config.lora.max_cpu_loras)
+    scheduler.admission = manager
+    return manager
 
 
 def check_shared_runner(runner: ModelRunner, sched: SchedulerConfig,

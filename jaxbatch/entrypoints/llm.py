@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from jaxbatch.engine.build import build_engine
 from jaxbatch.engine.interface import EngineClient
+from jaxbatch.lora.request import per_request
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 
@@ -32,19 +33,21 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
-        """`prompts`: a str, a list of str, or a list of token-id lists. Outputs in input order."""
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
+        """`prompts`: a str, a list of str, or a list of token-id lists. Outputs in input order.
+        `lora_request`: a LoRARequest for every prompt, or a list (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority", default=0)
-        return self._run(list(zip(prompts, params, priorities)), use_tqdm)
+        loras = per_request(lora_request, len(prompts))
+        return self._run(list(zip(prompts, params, priorities, loras)), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """`messages`: one conversation (list of {"role", "content"}) or a list of them."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -56,7 +59,7 @@ class LLM:
                    for conv in conversations]
         prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p)
                    for p in prompts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -73,10 +76,12 @@ class LLM:
     def _generate(self, engine, requests, use_tqdm: bool) -> list[RequestOutput]:
         # All or nothing: check the whole batch before adding any of it.
         ids = [str(next(self._ids)) for _ in requests]
-        for rid, (prompt, params, prio) in zip(ids, requests):
-            engine.validate_request(rid, prompt, params, prio)
-        for rid, (prompt, params, prio) in zip(ids, requests):
-            engine.add_request(rid, prompt, params, priority=prio)
+        # lora_request is passed only when given: engines without LoRA take no such argument.
+        lora = [{} if lr is None else {"lora_request": lr} for *_, lr in requests]
+        for rid, (prompt, params, prio, _), kw in zip(ids, requests, lora):
+            engine.validate_request(rid, prompt, params, prio, **kw)
+        for rid, (prompt, params, prio, _), kw in zip(ids, requests, lora):
+            engine.add_request(rid, prompt, params, priority=prio, **kw)
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts") as bar:

@@ -107,7 +107,7 @@ def _per_layer_data(cfg: ModelConfig, num_layers: int, inv_freq) -> dict:
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
-                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded):
+                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded, lora=None):
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
     kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh], plus (k_scales, v_scales) [KVH, L * N, bs]
     for an int8 pool; inv_freq [R/2] (every layer) or [L, R/2] (`rope.inverse_frequencies`)
@@ -115,7 +115,11 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
 
     `per_shard(fn)` runs the KV write and attention, `fn(q, k, v, *pool)`, once per
     tensor-parallel shard of the heads (`jaxbatch/parallel/sharding.py`: a `jax.shard_map`,
-    since kernels are opaque to automatic sharding); on one device it is the identity."""
+    since kernels are opaque to automatic sharding); on one device it is the identity.
+
+    `lora`: None, or the LoRA adapter pool of a LoRA engine (jaxbatch/lora/pool.py):
+    {"slots": [T] int32 (0 = no adapter), "A": {matrix: [L, S, r, in]}, "B": {matrix:
+    [L, S, r, out]}}; scanned beside the weights, each matrix's slice reaches `_matmul`."""
     params = stack_layers(params)
     num_layers = num_layers_of(params)
     blocks_per_layer = kv_pool[0].shape[1] // num_layers
@@ -129,10 +133,17 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     ffn = moe_block if cfg.num_experts else mlp_block
 
+    lora_xs, one_hot = {}, None
+    if lora is not None:
+        one_hot = jax.nn.one_hot(lora["slots"], lora["A"][next(iter(lora["A"]))].shape[1],
+                                 dtype=jnp.float32)                            # [T, S]
+        lora_xs = {name: (lora["A"][name], lora["B"][name]) for name in lora["A"]}
+
     def one_layer(carry, xs):
         x, pool = carry
-        layer, data, index = xs
-        layer = {**layer, **per_layer}
+        layer, data, index, lora_layer = xs
+        layer = {**layer, **per_layer,
+                 **{f"lora_{name}": (a, b, one_hot) for name, (a, b) in lora_layer.items()}}
         h, pool = attention_block(
             layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset), positions, slot_mapping,
             pool, index, index * blocks_per_layer, attend, data["inv_freq"],
@@ -146,7 +157,7 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
         return (x + h, pool), None
 
     xs = (stacked, _per_layer_data(cfg, num_layers, inv_freq),
-          jnp.arange(num_layers, dtype=jnp.int32))
+          jnp.arange(num_layers, dtype=jnp.int32), lora_xs)
     (x, pool), _ = jax.lax.scan(one_layer, (x, tuple(kv_pool)), xs)
     return rms_norm(x, params["final_norm"], eps, offset), pool
 

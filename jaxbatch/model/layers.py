@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.lora_delta import lora_delta
 from jaxbatch.model.quantize import int8_matmul, is_quantized
 from jaxbatch.model.rope import apply_rope
 from pallas_kernels.int8 import write_kv_int8
@@ -29,9 +30,18 @@ def _dense(x, weight):
     return int8_matmul(x, weight) if is_quantized(weight) else precision.dense(x, weight)
 
 
-def _matmul(x, weight, index):
+def _matmul(x, weight, index, lora=None):
     """x @ this layer's weight: `weight` is the layer's [in, out] slice (stacked layout) or the
-    tuple of every layer's weight (per-layer layout, chosen by `index`); int8 or float."""
+    tuple of every layer's weight (per-layer layout, chosen by `index`); int8 or float.
+    `lora`: (A [S, r, in], B [S, r, out], one_hot [T, S]) of this layer's adapter pool
+    (jaxbatch/lora/), whose delta is added; None (no LoRA engine) traces exactly as before."""
+    out = _matmul_base(x, weight, index)
+    if lora is None:
+        return out
+    return (out.astype(jnp.float32) + lora_delta(x, *lora)).astype(out.dtype)
+
+
+def _matmul_base(x, weight, index):
     if not isinstance(weight, tuple):
         return _dense(x, weight)
     if len(weight) == 1:
@@ -70,9 +80,9 @@ def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, i
                     block_offset, attend, inv_freq, window, per_shard):
     """`window`: this layer's int32 scalar from the scan, or None for models without one."""
     num_tokens = x.shape[0]
-    q = _matmul(x, layer["wq"], index)
-    k = _matmul(x, layer["wk"], index)
-    v = _matmul(x, layer["wv"], index)
+    q = _matmul(x, layer["wq"], index, layer.get("lora_wq"))
+    k = _matmul(x, layer["wk"], index, layer.get("lora_wk"))
+    v = _matmul(x, layer["wv"], index, layer.get("lora_wv"))
     if cfg.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)                    # [T, H, Dh]
@@ -98,16 +108,18 @@ def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, i
 
     out, *pool = per_shard(write_and_attend)(q, k, v, *pool)                  # [T, H, Dh]
     pool = tuple(pool)
-    out = _matmul(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer["wo"], index)
+    out = _matmul(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer["wo"], index,
+                  layer.get("lora_wo"))
     if cfg.o_bias:
         out = out + layer["bo"]
     return out, pool
 
 
 def mlp_block(layer, cfg: ModelConfig, x, index):
-    gate = _matmul(x, layer["w_gate"], index)
-    up = _matmul(x, layer["w_up"], index)
-    return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index)
+    gate = _matmul(x, layer["w_gate"], index, layer.get("lora_w_gate"))
+    up = _matmul(x, layer["w_up"], index, layer.get("lora_w_up"))
+    return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index,
+                   layer.get("lora_w_down"))
 
 
 def moe_block(layer, cfg: ModelConfig, x, index):

@@ -39,22 +39,24 @@ logger = logging.getLogger(__name__)
 
 
 def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slot_mapping,
-                    attn_meta, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
+                    attn_meta, lora=None, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
     """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
     `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
     tokens = jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)   # [B]
     # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
     attend = backend.decode_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard)            # [B, d]
+                                        attend, inv_freq, per_shard, lora)      # [B, d]
     return llama.compute_logits(params, hidden, cfg), pool                      # [B, V]
 
 
-def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index, *,
-                     cfg, backend, inv_freq, per_shard=llama.unsharded):
+def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index,
+                     lora=None, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
+    """`lora` (both forwards): the LoRA pool and per-token slots, only in a LoRA engine's calls
+    (jaxbatch/lora/runner.py appends it); without it the traced function is unchanged."""
     attend = backend.prefill_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard)            # [T, d]
+                                        attend, inv_freq, per_shard, lora)      # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
     return llama.compute_logits(params, last, cfg), hidden, pool                # [S, V], [T, d]
 
@@ -209,7 +211,8 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
-    def _model_args(self, key: tuple, call_args: tuple) -> tuple:
+    def _model_args(self, key: tuple, call_args: tuple, call: ModelCall | None = None) -> tuple:
+        # `call` (None at warm-up): for subclasses adding per-row inputs (jaxbatch/lora/runner.py).
         if key[0] == "decode":
             return (self.params, self.pool, self.kept_tokens) + call_args
         return (self.params, self.pool) + call_args
@@ -219,7 +222,7 @@ class ModelRunner:
         """Model call, then its sampling (and prompt logprobs): device arrays, nothing read.
         `bitmask_fn(rows)`: the grammar bitmask of the call's rows, or None (structured outputs;
         filled while the model call runs)."""
-        out = self._run(call.key, self._model_args(call.key, call.args))
+        out = self._run(call.key, self._model_args(call.key, call.args, call))
         self.pool = out[-1]
         arrays = self._sampling_arrays(call.rows, bitmask_fn(call.rows) if bitmask_fn else None)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
