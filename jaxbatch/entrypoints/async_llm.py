@@ -37,20 +37,15 @@ from typing import AsyncIterator, Callable
 
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
+# Moved out to keep this file under the size rule; imported from here as before.
+from jaxbatch.entrypoints.admission import EngineDeadError, EngineUnavailableError, Ticket  # noqa: F401
 
 STARTING, READY, DRAINING, DEAD, STOPPED = "starting", "ready", "draining", "dead", "stopped"
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; this server cannot serve any more requests."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """Not admitting now (starting, draining, or the queue cap is reached); retry later."""
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(result) if error is None else future.set_exception(error)
 
 
 class _Mailbox:
@@ -101,19 +96,6 @@ class RequestStream:
     def abort(self) -> None:
         if not self.finished:
             self.llm.abort(self.request_id)
-
-
-class Ticket:
-    """One admitted HTTP request, counted (as `cost` sequences: prompts x n) from the admission
-    check until `release()`."""
-
-    def __init__(self, llm: "AsyncLLM", cost: int = 1):
-        self._llm, self._held, self.cost = llm, True, cost
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._llm._release(self.cost)
 
 
 class AsyncLLM:
@@ -243,7 +225,8 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None,
+                          lora_request=None) -> RequestStream:
         """Hands the request to the engine thread and waits for its verdict: returns the
         stream, or raises what `LLMEngine.add_request` raised (ValueError: invalid input)."""
         if self.state == DEAD:
@@ -255,7 +238,7 @@ class AsyncLLM:
         box = _Mailbox(self._loop)
         self._mailboxes[request_id] = box
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._submit(("add", request_id, prompt, params, priority, arrival))
+        self._submit(("add", request_id, prompt, params, priority, arrival, lora_request))
         try:
             await box.accepted
         except BaseException:
@@ -294,6 +277,13 @@ class AsyncLLM:
     def reset_prefix_cache(self) -> None:
         """Non-blocking; done by the engine thread before its next step."""
         self._submit(("reset_prefix_cache",))
+
+    async def call(self, fn):
+        """`fn(engine)` run on the engine thread between steps (LoRA loads): its result, or
+        what it raised."""
+        future = self._loop.create_future()
+        self._submit(("call", fn, future))
+        return await future
 
     def _submit(self, command: tuple) -> None:
         with self._cv:
@@ -366,10 +356,11 @@ class AsyncLLM:
                 stop = self._stop
             for command in commands:
                 if command[0] == "add":
-                    _, rid, prompt, params, priority, arrival = command
+                    _, rid, prompt, params, priority, arrival, lora = command
                     try:
                         engine.add_request(rid, prompt, params, priority=priority,
-                                           arrival_time=arrival)
+                                           arrival_time=arrival,
+                                           **({"lora_request": lora} if lora else {}))
                     except Exception as e:   # noqa: BLE001 - a bad request must not kill the thread
                         self._post(self._accept, rid, e)
                         continue
@@ -377,6 +368,11 @@ class AsyncLLM:
                     self._post(self._accept, rid, None)
                 elif command[0] == "reset_prefix_cache":
                     engine.reset_prefix_cache()
+                elif command[0] == "call":
+                    try:
+                        self._post(_settle, command[2], command[1](engine), None)
+                    except Exception as e:   # noqa: BLE001 - answered to the caller
+                        self._post(_settle, command[2], None, e)
                 elif command[1] in live:
                     engine.abort_request(command[1])
             if stop:

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"])
+    # LoRA adapters a request may name in "model" (entrypoints/openai/lora_routes.py)
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapters served under NAME (needs --enable-lora)")
     return ap
 
 
@@ -85,9 +88,15 @@ def serve(args) -> int:
         if args.process_id != 0:
             return follow(model, kwargs)
 
+    from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, parse_lora_modules
+    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    lora = LoRARegistry(name, kwargs.get("enable_lora", False),
+                        parse_lora_modules(args.lora_modules))    # ValueError: exit 2
+
     def engine_factory():   # runs on the engine thread, after the port is bound
         from jaxbatch.engine.build import build_engine
         engine = build_engine(model, **kwargs)
+        lora.check_at_start(engine)    # a bad adapter: the server refuses to start, saying why
         engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
         return engine
 
@@ -100,7 +109,6 @@ def serve(args) -> int:
             failed.append(exc)
             server.should_exit = True
 
-    name = args.served_model_name or model or DEFAULT_MODEL_NAME
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
         return 2
@@ -111,7 +119,8 @@ def serve(args) -> int:
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_request_body_bytes=args.max_request_body_bytes,
                     max_concurrent_requests=args.max_concurrent_requests,
-                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    lora=lora)
     _raise_fd_limit()
     from jaxbatch.entrypoints.openai.connections import guarded_protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -30,6 +30,7 @@ from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.async_llm import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
 from jaxbatch.entrypoints.openai.errors import APIError, error_response
 from jaxbatch.entrypoints.openai.guards import BodyLimit, ConcurrencyGuard
+from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, lora_router, models_response
 from jaxbatch.entrypoints.openai.metrics import ServerMetrics
 from jaxbatch.entrypoints.openai.preprocess import DEFAULT_MAX_PROMPTS_PER_REQUEST, Preprocessor
 from jaxbatch.entrypoints.openai.serving import OpenAIServing, with_cancellation
@@ -70,15 +71,17 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_concurrent_requests: int | None = None,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, lora: LoRARegistry | None = None) -> FastAPI:
     """`engine_factory()` builds the LLMEngine on the engine thread (after the port is bound).
-    `on_engine_dead(exc)` is called on the event loop if the engine thread dies."""
+    `on_engine_dead(exc)` is called on the event loop if the engine thread dies. `lora`: the
+    served LoRA adapters (lora_routes.py; None: none, and the load route says so)."""
+    lora = lora or LoRARegistry(served_model_name)
     metrics = ServerMetrics(served_model_name)
     llm = AsyncLLM(engine_factory, max_queued_requests=max_queued_requests, metrics=metrics,
                    on_dead=on_engine_dead)
     pre = Preprocessor(llm, trust_request_chat_template=trust_request_chat_template,
                        max_prompts_per_request=max_prompts_per_request)
-    serving = OpenAIServing(llm, served_model_name, pre, tool_parser)   # tool_parser: "auto"
+    serving = OpenAIServing(llm, served_model_name, pre, tool_parser, lora)   # tool_parser: "auto"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -162,7 +165,7 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
     async def models():
         max_len = llm.engine.config.max_model_len if llm.engine is not None else None
         card = P.ModelCard(id=served_model_name, root=model_root, max_model_len=max_len)
-        return JSONResponse(P.ModelList(data=[card]).model_dump())
+        return models_response(card, lora)     # LoRA: each adapter, with the base as parent
 
     def _require_ready():
         if llm.state == READY:
@@ -222,6 +225,7 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
         return {"prompt": await pre.detokenize(req.tokens)}
 
     app.include_router(v1)
+    app.include_router(lora_router(lora, llm, _require_ready))   # /v1/(un)load_lora_adapter
 
     # ---- unauthenticated: probes and scrapes --------------------------------------------------
     @app.get("/health")

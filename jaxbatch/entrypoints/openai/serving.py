@@ -28,6 +28,7 @@ from jaxbatch.entrypoints.openai import structured as S
 from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.openai.errors import APIError
+from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry
 from jaxbatch.entrypoints.openai.preprocess import Preprocessor
 from jaxbatch.entrypoints.openai.streams import SSEResponse, merge, sse, with_cancellation  # noqa: F401
 
@@ -86,16 +87,18 @@ def _cut_event() -> str:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, pre: Preprocessor,
-                 tool_parser: str | None = None):
-        """`tool_parser`: the --tool-call-parser of tool_choice "auto" (None: auto refused)."""
+                 tool_parser: str | None = None, lora=None):
+        """`tool_parser`: the --tool-call-parser of tool_choice "auto" (None: auto refused).
+        `lora`: the adapters a request may name in "model" (lora_routes.py LoRARegistry)."""
         self.llm, self.model_name, self.pre = llm, served_model_name, pre
         self.tool_parser = tool_parser
+        self.lora = lora or LoRARegistry(served_model_name)
         self._token_strings: dict[int, str] = {}
 
     # ---- shared steps ----------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
+    def check_model(self, name: str | None):
+        """None (the base model) or the LoRARequest of the adapter `name` names; 404 if neither."""
+        return self.lora.resolve(name)
 
     @property
     def max_model_len(self) -> int:
@@ -116,7 +119,7 @@ class OpenAIServing:
             s = self._token_strings[token_id] = self.llm.tokenizer.decode([token_id])
         return s
 
-    async def _start(self, prefix, prompts, params, priority, param, arrival):
+    async def _start(self, prefix, prompts, params, priority, param, arrival, lora=None):
         """Step 4: one engine request per prompt; all or nothing. `arrival`: when the HTTP
         request came in, so TTFT and queue-time metrics include templating and queueing."""
         for ids in prompts:
@@ -125,7 +128,8 @@ class OpenAIServing:
         try:
             for k, ids in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{k}"
-                streams.append(await self.llm.add_request(rid, ids, params, priority, arrival))
+                streams.append(await self.llm.add_request(rid, ids, params, priority, arrival,
+                                                            lora))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -169,31 +173,31 @@ class OpenAIServing:
                 {str(t): {"logprob": max(v, MIN_LOGPROB), "decoded_token": self._token_str(t)}
                  for t, v in lps.items()} for lps in out.prompt_logprobs]
 
-    def _admit(self, cost: int, param: str):
+    def _admit(self, cost: int, param: str, lora=None):
         cap = self.llm.max_queued_requests
         if cap is not None and cost > cap:
             raise APIError(400, f"this request asks for {cost} sequences (prompts x n), more "
                                 f"than the server ever queues (--max-num-queued-reqs={cap})",
                            param)
-        return self.llm.admit(cost)
+        return self.lora.hold(self.llm.admit(cost), lora)   # LoRA: held until released
 
     # ---- chat --------------------------------------------------------------------------------
     async def create_chat(self, req: P.ChatCompletionRequest):
         arrival = time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = _checked_params(req, max_tokens, k)
         self.pre.check_chat(req)
-        ticket = self._admit(req.n, "n")
+        ticket = self._admit(req.n, "n", lora)
         handed_off = False
         try:
             tools, field = _constrained(req, params, self.tool_parser, chat=True)
             ids = await self.pre.chat_ids(req)
             rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
-                                             field or "messages", arrival)
+                                             field or "messages", arrival, lora)
             if req.stream:
                 handed_off = True
                 return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket, tools))
@@ -220,14 +224,14 @@ class OpenAIServing:
                 if req.logprobs else None,
                 finish_reason=wire_reason(finish_reason), stop_reason=c.stop_reason))
         n_gen = sum(len(c.token_ids) for c in final.outputs)
-        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+        return P.ChatCompletionResponse(id=rid, model=req.model or self.model_name, choices=choices,
                                         usage=P.UsageInfo.of(n_prompt, n_gen, final.num_cached_tokens),
                                         prompt_logprobs=self._prompt_logprobs(final))
 
     async def _chat_stream(self, req, rid, stream, n_prompt, ticket, tools=None):
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
-                                                     model=self.model_name, choices=[choice])
+                                                     model=req.model or self.model_name, choices=[choice])
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
         tool_streams = [S.ToolStream(tools) for _ in range(n)] if tools else None
         cached, cut = 0, False
@@ -262,7 +266,7 @@ class OpenAIServing:
                 yield _cut_event()
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), cached)
-                yield sse(P.ChatCompletionChunk(id=rid, created=created, model=self.model_name,
+                yield sse(P.ChatCompletionChunk(id=rid, created=created, model=req.model or self.model_name,
                                                 choices=[], usage=usage))
         except EngineDeadError as e:
             yield sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="InternalServerError", code=500)))
@@ -274,17 +278,17 @@ class OpenAIServing:
     # ---- completions ---------------------------------------------------------------------------
     async def create_completion(self, req: P.CompletionRequest):
         arrival = time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         params = _checked_params(req, req.max_tokens, req.logprobs)
         count = self.pre.check_completion(req)
-        ticket = self._admit(count * req.n, "prompt" if count > 1 else "n")
+        ticket = self._admit(count * req.n, "prompt" if count > 1 else "n", lora)
         handed_off = False
         try:
             _, field = _constrained(req, params, None, chat=False)
             prompts = await self.pre.completion_ids(req)
             rid, streams = await self._start("cmpl", prompts, params, req.priority,
-                                             field or "prompt", arrival)
+                                             field or "prompt", arrival, lora)
             n_prompt = sum(len(p) for p in prompts)
             if req.stream:
                 handed_off = True
@@ -312,7 +316,7 @@ class OpenAIServing:
             for k in sorted(finals) for c in finals[k].outputs]
         n_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in finals.values())
-        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+        return P.CompletionResponse(id=rid, model=req.model or self.model_name, choices=choices,
                                     usage=P.UsageInfo.of(n_prompt, n_gen, cached))
 
     async def _completion_stream(self, req, rid, streams, n_prompt, ticket):
@@ -336,7 +340,7 @@ class OpenAIServing:
                     sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
                     yield sse(P.CompletionResponse(
-                        id=rid, created=created, model=self.model_name,
+                        id=rid, created=created, model=req.model or self.model_name,
                         choices=[P.CompletionChoice(index=i, text=delta, logprobs=lp,
                                                     finish_reason=wire_reason(c.finish_reason),
                                                     stop_reason=c.stop_reason)]))
@@ -344,7 +348,7 @@ class OpenAIServing:
                 yield _cut_event()
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), sum(cached.values()))
-                yield sse(P.CompletionResponse(id=rid, created=created, model=self.model_name,
+                yield sse(P.CompletionResponse(id=rid, created=created, model=req.model or self.model_name,
                                                choices=[], usage=usage))
         except EngineDeadError as e:
             yield sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="InternalServerError", code=500)))
