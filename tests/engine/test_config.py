@@ -38,7 +38,7 @@ def test_every_engine_looking_serve_flag_is_an_option():
                    "shutdown_timeout", "log_level", "max_prompts_per_request",
                    "max_request_body_bytes", "max_concurrent_requests", "timeout_header_read",
                    "timeout_keep_alive", "trust_request_chat_template",
-                   "enable_auto_tool_choice", "tool_call_parser"}
+                   "enable_auto_tool_choice", "tool_call_parser", "lora_modules"}
     dests = {a.dest for a in _serve_parser()._actions}
     assert dests - set(OPTIONS) - server_only == set()
 
