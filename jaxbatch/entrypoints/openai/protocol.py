@@ -20,7 +20,9 @@ from jaxbatch.sampling_params import SamplingParams
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Response bodies, built by this server: a field they do not declare is a bug here, so it
+    raises instead of being dropped."""
+    model_config = ConfigDict(extra="forbid")
 
 
 class _Request(BaseModel):
