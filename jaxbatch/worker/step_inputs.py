@@ -2,8 +2,8 @@
 numpy arrays of each compiled call. No device work happens here.
 
 An engine step makes at most two kinds of model call:
-  decode   one token for each decoding sequence, rows padded to a power of two (at most
-           next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
+  decode   one token for each decoding sequence, rows padded to a power of two (at least
+           MIN_DECODE_ROWS, at most next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
            rows, so a half-empty slot array should not pay for the empty half.
            Attention inputs: the xla backend's work items, sized for the longest contexts
            the rows can have (its attention loops over the items in use at run time, so the
@@ -28,6 +28,11 @@ from jaxbatch.worker.attention.base import AttentionBackend
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE
 
 MIN_PREFILL_BUCKET = 16
+# Batch invariance: XLA:CPU's dot sums a row in another order when the call has 1 or 2 rows
+# than when it has 3 or more (bf16 x bf16 -> f32; float32 switches at 1 row), and in bf16 the
+# next activation's rounding turns that last-bit difference into a different logprob. From 3
+# rows up a row's result no longer depends on the row count, so no call has fewer.
+MIN_DECODE_ROWS = 4
 MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 # Block-table backends (pallas, reference): prefill calls attend over at least this many keys
 # (whole pages), for fewer (tokens, pages) executables to compile.
@@ -84,7 +89,8 @@ class StepLayout:
         return min(next_power_of_two(rows * self.max_items_per_seq), self.max_decode_items)
 
     def decode_row_bucket(self, num_decodes: int) -> int:
-        return min(next_power_of_two(num_decodes), next_power_of_two(self.cfg.max_num_seqs))
+        largest = max(MIN_DECODE_ROWS, next_power_of_two(self.cfg.max_num_seqs))
+        return min(max(MIN_DECODE_ROWS, next_power_of_two(num_decodes)), largest)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -108,7 +114,7 @@ class StepLayout:
 
     def decode_row_buckets(self) -> list[int]:
         last = self.decode_row_bucket(self.cfg.max_num_seqs)
-        return [1 << i for i in range(last.bit_length())]
+        return [1 << i for i in range(last.bit_length()) if 1 << i >= MIN_DECODE_ROWS]
 
     def prefill_token_buckets(self) -> list[int]:
         """Powers of two from MIN_PREFILL_BUCKET; with the xla backend (one executable per
