@@ -37,6 +37,8 @@ BENCHMARKS = {
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),
     "hostile": ("hostile", "hostile clients against the server"),
     "structured": ("structured", "structured outputs' cost: 0/50/100 % JSON-schema requests"),
+    "families": ("families", "what a family's own layers cost: random ~100M Llama, Qwen3, "
+                             "Gemma 3 on one workload"),
     "structured-mask-cost": ("structured_mask_cost", "host cost of grammar masks: tokenizer "
                              "build, schema compile, advance + fill per step"),
 }

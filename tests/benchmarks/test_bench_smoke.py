@@ -4,6 +4,7 @@ compilation happens after warm-up, and the --dry-run paths of `jaxbatch bench th
 gpu_e2e run."""
 from __future__ import annotations
 
+import argparse
 import json
 import types
 
@@ -182,3 +183,19 @@ def test_decode_floor_runs_on_a_tiny_model():
     assert result["slots"] == 2 and result["context"] == 64
     assert result["engine_step_ms"] > 0 and result["floor_ms"] > 0
     assert set(result["breakdown_ms"]) == {"matmuls", "attention", "paging", "sampling", "host"}
+
+
+def test_families_bench_runs_each_family_on_one_workload(tmp_path, capsys):
+    from jaxbatch.benchmarks import families
+    assert families.main(["--families", "llama", "gemma3", "--hidden", "64", "--layers", "2",
+                          "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+                          "--vocab", "512", "--window", "16", "--num-requests", "4",
+                          "--rounds", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "families.json").read_text())
+    for fam in ("llama", "gemma3"):
+        (res,) = report["rounds"][fam]
+        want = families.workload(argparse.Namespace(seed=0, num_requests=4, vocab=512))
+        assert res["output_tokens"] == sum(n for _, n in want)
+        assert res["output_tok_s"] > 0
+    table = (tmp_path / "families.md").read_text()
+    assert "| gemma3 |" in table and table.count("| 0 |") == 2   # no compilation after warm-up
