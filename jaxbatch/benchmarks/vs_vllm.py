@@ -1,14 +1,16 @@
 """jaxbatch against vLLM's CPU build, offline `LLM.generate`, side by side in one run: the same 48
 chat requests (the serve benchmark's workload: bundled prompts, chat template, output lengths
-lognormal(32, 1) in [8, 256]), 16 slots, float32, greedy, ignore_eos; each engine in its own
-process, one untimed pass then --passes timed ones; the engines alternate --rounds times, so a
-slow moment of this shared machine hits both alike. Prefix caching is set alike on both sides:
+lognormal(32, 1) in [8, 256]), 16 slots, greedy, ignore_eos; each engine (and dtype: float32 by
+default, `--jaxbatch-dtypes` / `--vllm-dtypes` for more) in its own process, one untimed pass
+then --passes timed ones; the engines take turns --rounds times (the order rotating each round),
+so a slow moment of this shared machine hits all alike. Prefix caching is set alike on both sides:
 `off`, or `on` with the cache reset before every pass (the workload repeats prompts, so a pass
 would otherwise find the previous pass's prompts cached: a measure of the cache, not the engine)
 and jaxbatch's `prefix_cache_granularity="block"` (vLLM's: its 25 distinct prompts are shorter
 than one of jaxbatch's 256-token prefill chunks, so the default "chunk" rule would share none).
 
     jaxbatch bench vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
+        [--jaxbatch-dtypes bfloat16 float32] [--vllm-dtypes bfloat16 float32]
 
 Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
 (scripts/export_safetensors.py). vLLM's CPU backend by default computes on one core and keeps
@@ -29,26 +31,27 @@ from jaxbatch.benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
 from jaxbatch.benchmarks.workloads import make_workload
 
 
-def run_jaxbatch(args, caching: str, out_dir: Path) -> float:
+def run_jaxbatch(args, caching: str, out_dir: Path, dtype: str) -> float:
     workload = make_workload(48)
-    spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048, "dtype": "float32",
+    spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048, "dtype": dtype,
                            "enable_prefix_caching": caching == "on",
                            # vLLM caches in whole blocks: the like-for-like setting
                            "prefix_cache_granularity": "block",
                            "async_scheduling": not args.no_async_scheduling},
             "texts": [r.text for r in workload], "max_tokens": [r.max_tokens for r in workload],
-            "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{caching}.json")}
-    spec_path = out_dir / f"jaxbatch_spec_{caching}.json"
+            "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{dtype}_{caching}.json")}
+    spec_path = out_dir / f"jaxbatch_spec_{dtype}_{caching}.json"
     spec_path.write_text(json.dumps(spec))
     subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.serve", "--offline-worker",
                     str(spec_path)], check=True, cwd=REPO)
     return json.loads(Path(spec["out"]).read_text())["output_tokens_per_s"]
 
 
-def run_vllm(args, caching: str, out_dir: Path) -> float:
-    out = out_dir / f"vllm_{caching}.json"
+def run_vllm(args, caching: str, out_dir: Path, dtype: str) -> float:
+    out = out_dir / f"vllm_{dtype}_{caching}.json"
     cmd = [str(DEFAULT_VLLM_PYTHON), "-m", "jaxbatch.benchmarks.vllm_offline",
            "--model", args.vllm_model, "--passes", str(args.passes), "--out", str(out),
+           "--dtype", dtype,
            "--enable-prefix-caching" if caching == "on" else "--no-enable-prefix-caching"]
     if args.omp_bind:
         cmd += ["--omp-bind", args.omp_bind, "--reserved-cpus", "0"]
@@ -65,6 +68,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-model", default=str(REPO / "hf_export/SmolLM2-135M-Instruct"))
     ap.add_argument("--omp-bind", default=None)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--jaxbatch-dtypes", nargs="+", default=["float32"],
+                    choices=("float32", "bfloat16", "auto"))
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["float32"],
+                    choices=("float32", "bfloat16"))
     ap.add_argument("--out", default="bench_out/vs_vllm")
     add_price_argument(ap)
     args = ap.parse_args(argv)
@@ -73,25 +80,34 @@ def main(argv=None) -> dict:
     report = {"argv": sys.argv, "machine": machine_info(with_jax=False), "results": {}}
     # Both engines run on this machine: one price for both.
     report["price"] = price = resolve_price(args.price_per_hour, report["machine"])
+    engines = ([("jaxbatch", d) for d in args.jaxbatch_dtypes]
+               + [("vllm", d) for d in args.vllm_dtypes])
     for caching in args.prefix_caching:
-        runs = {"jaxbatch": [], "vllm": []}
+        runs = {f"{e} {d}": [] for e, d in engines}
         for r in range(args.rounds):
-            order = ("jaxbatch", "vllm") if r % 2 == 0 else ("vllm", "jaxbatch")
-            for engine in order:
+            k = r % len(engines)
+            for engine, dtype in engines[k:] + engines[:k]:       # the order rotates
                 run = run_jaxbatch if engine == "jaxbatch" else run_vllm
-                runs[engine].append(run(args, caching, out_dir))
-                print(f"prefix caching {caching}, round {r}: {engine} "
-                      f"{runs[engine][-1]:.1f} out tok/s", flush=True)
-        med = {e: statistics.median(v) for e, v in runs.items()}
-        report["results"][caching] = {"runs": runs, "median": med,
-                                      "ratio": med["jaxbatch"] / med["vllm"]}
+                name = f"{engine} {dtype}"
+                runs[name].append(run(args, caching, out_dir, dtype))
+                print(f"prefix caching {caching}, round {r}: {name} "
+                      f"{runs[name][-1]:.1f} out tok/s", flush=True)
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        best = {e: max(v for name, v in med.items() if name.startswith(e + " "))
+                for e in ("jaxbatch", "vllm")}
+        report["results"][caching] = {"runs": runs, "median": med, "best": best,
+                                      "ratio_of_bests": best["jaxbatch"] / best["vllm"]}
     write_json(out_dir / "vs_vllm.json", report)
-    print(table(["prefix caching", "jaxbatch out tok/s", "vLLM out tok/s", "jaxbatch / vLLM",
-                 "jaxbatch $ / M out tok", "vLLM $ / M out tok"],
-                [[caching, f"{r['median']['jaxbatch']:.1f}", f"{r['median']['vllm']:.1f}",
-                  f"{r['ratio']:.2f}", cost_cell(r["median"]["jaxbatch"], price),
-                  cost_cell(r["median"]["vllm"], price)]
-                 for caching, r in report["results"].items()]))
+    rows = []
+    for caching, res in report["results"].items():
+        for name, v in res["median"].items():
+            rows.append([caching, name, " / ".join(f"{x:.1f}" for x in res["runs"][name]),
+                         f"{v:.1f}", f"{v / res['best']['vllm']:.2f}", cost_cell(v, price)])
+    print(table(["prefix caching", "engine", "out tok/s per round", "median",
+                 "/ vLLM's best", "$ / M out tok"], rows))
+    for caching, res in report["results"].items():
+        print(f"prefix caching {caching}: jaxbatch's best / vLLM's best = "
+              f"{res['ratio_of_bests']:.2f}")
     print(price_line(price))
     return report
 
