@@ -39,6 +39,8 @@ BENCHMARKS = {
     "structured": ("structured", "structured outputs' cost: 0/50/100 % JSON-schema requests"),
     "families": ("families", "what a family's own layers cost: random ~100M Llama, Qwen3, "
                              "Gemma 3 on one workload"),
+    "lora": ("lora", "LoRA adapters' cost per decode step at 16 / 64 rows: 0, 1, max_loras "
+                     "adapters active, against no LoRA"),
     "structured-mask-cost": ("structured_mask_cost", "host cost of grammar masks: tokenizer "
                              "build, schema compile, advance + fill per step"),
 }
