@@ -32,6 +32,8 @@ BENCHMARKS = {
     "accuracy-bf16": ("accuracy_bf16", "bf16 against float32: top-1, KL, perplexity ratio, "
                       "greedy agreement"),
     "dtype": ("dtype", "bf16 vs float32 on this CPU: per-executable profile, a small mix"),
+    "roofline": ("roofline", "decode and prefill steps against the copy-bandwidth and GEMM-peak "
+                             "floors measured in the same run"),
     "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),

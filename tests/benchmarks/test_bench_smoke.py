@@ -212,3 +212,17 @@ def test_lora_bench_times_each_case_without_compiling(tmp_path):
                                    "LoRA engine, 1 adapter", "LoRA engine, 2 adapters"))
     assert all(v[0] > 0 for v in report["results"].values())
     assert set(report["delta_forms_ms"]["4"]) == {"base matmul", "one-hot einsum", "per-row gather"}
+
+
+def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
+    from jaxbatch.benchmarks import roofline
+    assert roofline.main(["--random-model", "tiny", "--rows", "4", "--steps", "4",
+                          "--context", "64", "--prefill-tokens", "32",
+                          "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "roofline.json").read_text())
+    assert report["copy_bandwidth_bytes_s"] > 1e8 and report["gemm_peak_flop_s"] > 1e8
+    (dec,) = report["decode"]
+    assert dec["rows"] == 4 and dec["kv_mb"] > 0 and dec["step_over_floor"] > 0
+    # tiny: 2 layers, 4 KV heads' worth of head_dim 16 in bf16, every length in (32, 64]
+    assert 4 * 33 * 2 * 2 * 2 * 16 * 2 / 1e6 <= dec["kv_mb"] <= 4 * 64 * 2 * 2 * 2 * 16 * 2 / 1e6
+    assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0

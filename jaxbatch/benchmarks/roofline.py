@@ -1,0 +1,161 @@
+"""The engine's steps against the physical floor of this machine, measured in the same run:
+
+    copy bandwidth   a jitted elementwise pass over a large array (bytes read + written / time)
+    GEMM peak        a large bf16 x bf16 -> f32 dot (the dtype policy's matmul), FLOP/s
+    decode floor     (weight bytes + KV bytes the step reads) / copy bandwidth
+    prefill floor    matmul FLOPs of the chunk / GEMM peak
+
+Decode: `slots` requests decoding in lockstep (decode_floor's steady engine: no overlap, every
+length inside (ctx/2, ctx]); each `engine.step()` is timed whole. Prefill: one request of
+`--prefill-tokens` tokens, its single step timed (after an untimed one of the same shape).
+
+    python -m jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from jaxbatch.benchmarks.machine import machine_info
+from jaxbatch.benchmarks.report import table, write_report
+
+
+def _best_seconds(fn, *args, reps: int = 10) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
+    """Bytes per second of a pass that reads a float32 array and writes it back in place (the
+    input donated: a fresh output buffer would add first-touch page faults to the time)."""
+    import jax
+    import jax.numpy as jnp
+    step = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
+    x = jax.block_until_ready(step(jnp.ones(nbytes // 4, jnp.float32)))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x = jax.block_until_ready(step(x))
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def gemm_peak(n: int = 2048) -> float:
+    """FLOP/s of an n^3 bf16 x bf16 -> f32 dot."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((n, n), jnp.bfloat16)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / _best_seconds(dot, a, a)
+
+
+def model_bytes(params) -> int:
+    import jax
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def matmul_params(cfg) -> int:
+    """Parameters of every layer matrix (embedding lookup and LM head excluded)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def kv_bytes_read(engine, lengths) -> int:
+    cfg, pool = engine.model_config, engine.runner.pool
+    itemsize = np.dtype(pool[0].dtype).itemsize
+    return int(sum(lengths)) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float) -> dict:
+    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
+    engine = steady_decode_engine(loaded, rows, ctx, steps, seed=0)
+    engine.step()                                    # every prefill
+    engine.step()                                    # first decode: compiles it
+    times, kv = [], []
+    for _ in range(steps):
+        lengths = [s.num_tokens for s in engine.scheduler.running]
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        kv.append(kv_bytes_read(engine, lengths))
+    weights = model_bytes(engine.runner.params)
+    floor = (weights + statistics.median(kv)) / bandwidth
+    step = statistics.median(times)
+    return {"rows": rows, "context": ctx, "step_ms": 1e3 * step, "weight_mb": weights / 1e6,
+            "kv_mb": statistics.median(kv) / 1e6, "floor_ms": 1e3 * floor,
+            "step_over_floor": step / floor}
+
+
+def prefill_chunk(loaded, tokens: int, peak: float) -> dict:
+    from jaxbatch import SamplingParams
+    from jaxbatch.engine.llm_engine import LLMEngine
+    engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
+                       prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
+                       enable_prefix_caching=False)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    times = []
+    for i in range(4):
+        engine.add_request(f"p{i}", rng.integers(3, vocab, tokens).tolist(),
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    step = min(times[1:])                              # the first one compiled
+    flops = 2 * matmul_params(engine.model_config) * tokens
+    return {"tokens": tokens, "step_ms": 1e3 * step, "gflop": flops / 1e9,
+            "floor_ms": 1e3 * flops / peak, "step_over_floor": step * peak / flops}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--context", type=int, default=256, help="a power of two")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--random-model", default=None,
+                    help="a shape of random_models.MODEL_SHAPES instead of the embedded model")
+    ap.add_argument("--out", default="bench_out/roofline")
+    args = ap.parse_args(argv)
+    if args.random_model:
+        from jaxbatch.benchmarks.random_models import random_model
+        loaded = random_model(args.random_model, "bfloat16" if args.dtype == "auto" else args.dtype)
+    else:
+        from jaxbatch.model.loader import load_model
+        loaded = load_model(dtype=args.dtype)
+    bandwidth, peak = copy_bandwidth(), gemm_peak()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s",
+          flush=True)
+    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth)
+               for rows in args.rows]
+    prefill = prefill_chunk(loaded, args.prefill_tokens, peak)
+    md = "\n\n".join([
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s; "
+        f"{loaded.source}, weights {loaded.params['embed'].dtype}",
+        table(["decode rows", "context", "step ms", "weights MB", "KV read MB", "floor ms",
+               "step / floor"],
+              [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['weight_mb']:.0f}",
+                f"{d['kv_mb']:.0f}", f"{d['floor_ms']:.1f}", f"{d['step_over_floor']:.2f}"]
+               for d in decodes]),
+        table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
+              [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",
+                f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
+    print(md)
+    report = {"machine": machine_info(), "args": vars(args), "copy_bandwidth_bytes_s": bandwidth,
+              "gemm_peak_flop_s": peak, "decode": decodes, "prefill": prefill}
+    for path in write_report(args.out, "roofline", report, md):
+        print("wrote", path)
+    return 0
