@@ -194,14 +194,16 @@ def _hf_name(name: str) -> str | None:
 
 
 def _dequantize(data: np.memmap, header: GGUFHeader, info: TensorInfo) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quant_shape_to_byte_shape
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
     try:
         qtype = GGMLQuantizationType(info.ggml_type)
-    except ValueError:
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
         raise ValueError(f"{header.path}: tensor {info.name} has unknown ggml type "
                          f"{info.ggml_type}") from None
-    byte_shape = quant_shape_to_byte_shape(info.shape, qtype)
+    # Rows are stored whole blocks at a time: (..., n) values -> (..., n / block * bytes).
+    byte_shape = (*info.shape[:-1], info.shape[-1] // block * block_bytes)
     start = header.data_start + info.offset
     raw = data[start:start + int(np.prod(byte_shape))].reshape(byte_shape)
     try:
