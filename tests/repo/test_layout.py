@@ -104,6 +104,24 @@ def test_host_rooms_import_no_jax():
     assert not bad, bad
 
 
+# The HF comparison benchmark is the one module that runs transformers' PyTorch models.
+TORCH_ALLOWED = {"jaxbatch/benchmarks/hf_baselines.py"}
+
+
+def test_only_the_hf_benchmark_imports_torch():
+    """The runtime needs no torch (GGUF files: model/gguf_reader.py); a lazy import counts."""
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        if str(path.relative_to(ROOT)) in TORCH_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                    if n.split(".")[0] in ("torch", "accelerate")]
+    assert not bad, bad
+
+
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
