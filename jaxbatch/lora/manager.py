@@ -157,8 +157,13 @@ class LoRAManager:
             self._read_from.pop(lid, None)
 
     def stats(self) -> dict:
+        """`lora_running` / `lora_waiting`: adapter name -> its sequences holding a slot / not
+        (yet, or preempted) holding one; what vLLM's `vllm:lora_requests_info` reports."""
+        waiting = {self.known[l].lora_name: n - self.users[l] for l, n in self.live.items()
+                   if n > self.users[l] and l in self.known}
         return {"lora_num_resident": len(self.slot_of), "lora_num_loads": self.num_loads,
-                "lora_num_evictions": self.num_evictions,
+                "lora_num_evictions": self.num_evictions, "lora_max_loras": self.max_loras,
                 "lora_running": {self.known[l].lora_name: n for l, n in self.users.items()
                                  if n > 0 and l in self.known},
+                "lora_waiting": waiting,
                 "lora_requests": dict(self.requests_by_name)}

@@ -135,6 +135,28 @@ def test_adapter_by_model_name_equals_offline_lora_request(server, offline, file
         assert served_text(server, base, chat) == want_base
 
 
+def test_lora_requests_info_names_running_and_waiting_adapters_one_series_at_a_time():
+    from jaxbatch.entrypoints.openai.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    base = dict(num_running=1, num_waiting=2, num_free_blocks=8, num_total_blocks=8)
+    m.record([], {**base, "lora_max_loras": 2, "lora_running": {"sql": 1},
+                  "lora_waiting": {"late": 1, "b": 2}}, 0.0)
+    text = m.render().decode()
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",' \
+           'waiting_lora_adapters="b,late"}' in text
+    m.record([], {**base, "lora_max_loras": 2, "lora_running": {}, "lora_waiting": {}}, 1.0)
+    lines = [l for l in m.render().decode().splitlines() if l.startswith("vllm:lora_requests_info")]
+    assert lines == [lines[0]] and 'running_lora_adapters=""' in lines[0]
+    assert "lora_requests_info{" not in ServerMetrics("x").render().decode().replace(
+        "# HELP vllm:lora_requests_info", "")       # no sample without an --enable-lora engine
+
+
+def test_metrics_carry_lora_requests_info(server):
+    assert served_text(server, "sql", False)
+    text = httpx.get(server.base + "/metrics", headers=AUTH).text
+    assert 'vllm:lora_requests_info{max_lora="2"' in text
+
+
 def test_unknown_model_is_404_with_openai_error_body(server):
     for path, body in (("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": CHAT})):

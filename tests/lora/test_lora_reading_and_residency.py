@@ -103,6 +103,9 @@ def test_a_waiting_adapter_is_not_starved_by_a_resident_one():
     sched.schedule()
     assert base in sched.running and first in sched.running
     assert waiting_2 in sched.waiting and later_1 in sched.waiting      # not overtaking
+    stats = manager.stats()       # what /metrics' vllm:lora_requests_info reports
+    assert stats["lora_running"] == {"n1": 1} and stats["lora_waiting"] == {"n1": 1, "n2": 1}
+    assert stats["lora_max_loras"] == 1
     from jaxbatch.core.request import SequenceStatus
     sched.finish(first, SequenceStatus.FINISHED_STOPPED)
     sched.schedule()

@@ -9,6 +9,8 @@ CollectorRegistry: two apps in one process (tests) never share or clash on serie
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
@@ -64,6 +66,12 @@ class ServerMetrics:
         self.spec_per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
+        # vLLM's LoRA series (only an --enable-lora engine's stats carry lora_*): one sample
+        # whose labels name the adapters running and waiting, its value the time of the step.
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=reg)
+        self._lora_labels: tuple | None = None
         self._model_name = model_name
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           ["model_name", "finished_reason"], registry=reg)
@@ -111,6 +119,8 @@ class ServerMetrics:
             if value > self._exported[key]:
                 counter.inc(value - self._exported[key])
                 self._exported[key] = value
+        if "lora_running" in stats:
+            self._record_lora(stats, now)
         exported = self._exported_per_position
         for pos, value in enumerate(stats.get("spec_accepted_per_position", [])):
             if pos == len(exported):
@@ -118,6 +128,15 @@ class ServerMetrics:
             if value > exported[pos]:
                 self.spec_per_position.labels(self._model_name, str(pos)).inc(value - exported[pos])
                 exported[pos] = value
+
+    def _record_lora(self, stats: dict, now: float) -> None:
+        labels = (str(stats.get("lora_max_loras", "")),
+                  ",".join(sorted(stats.get("lora_waiting", {}))),
+                  ",".join(sorted(stats["lora_running"])))
+        if labels != self._lora_labels:     # one series at a time, not one per combination seen
+            self.lora_info.clear()
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts
