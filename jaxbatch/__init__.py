@@ -5,6 +5,12 @@ server) -> engine/ (options, building, LLMEngine.step, outputs) -> core/ (schedu
 requests, plans; host only) -> worker/ (runner, sampler, attention) -> model/. The host-side
 modules import no JAX; `import jaxbatch` stays light until LLM is used.
 """
+import os
+
+# jaxbatch uses transformers for tokenizers and chat templates only, and runs without torch:
+# its advice that "PyTorch was not found. Models won't be available" would read as a fault.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxbatch.lora.request import LoRARequest     # plain data, no JAX
