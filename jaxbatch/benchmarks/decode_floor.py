@@ -45,6 +45,7 @@ from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model import layers, llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import apply_rope
+from jaxbatch.worker.step_inputs import MIN_DECODE_ROWS
 
 
 
@@ -141,7 +142,7 @@ def build_pieces(engine, plan, slots, ctx):
     """The engine's decode executable and the floor's pieces, on the inputs of `plan`."""
     runner, cfg = engine.runner, engine.model_config
     call = runner.layout.decode_call(plan)
-    # --slots is a power of two (main checks), so the decode call has exactly `slots` rows.
+    # --slots is a power of two >= MIN_DECODE_ROWS (main checks): the call has `slots` rows.
     assert call.key[1] == slots, f"--slots {slots}: use a power of two (the runner pads rows to one)"
     tokens, token_src, positions, slot_mapping, meta = call.args
     samp = runner._sampling_arrays(call.rows)
@@ -267,8 +268,9 @@ def main(argv=None):
     ap.add_argument("--target", type=float, default=1.3, help="engine step / floor target")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
-    if args.slots & (args.slots - 1):
-        ap.error("--slots must be a power of two: the runner pads decode rows to one")
+    if args.slots & (args.slots - 1) or args.slots < MIN_DECODE_ROWS:
+        ap.error(f"--slots must be a power of two of at least {MIN_DECODE_ROWS}: the runner "
+                 f"pads decode rows to one")
     for ctx in args.contexts:
         if ctx & (ctx - 1) or ctx - (args.rounds + 3) <= ctx // 2:
             ap.error(f"context {ctx}: must be a power of two > 2 * (rounds + 3) so every "

@@ -179,8 +179,8 @@ def test_decode_floor_runs_on_a_tiny_model():
     cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2"))
     loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0,
                          from_cache=False)
-    result = floor.measure_context(loaded, slots=2, ctx=64, rounds=3, seed=0)
-    assert result["slots"] == 2 and result["context"] == 64
+    result = floor.measure_context(loaded, slots=4, ctx=64, rounds=3, seed=0)
+    assert result["slots"] == 4 and result["context"] == 64
     assert result["engine_step_ms"] > 0 and result["floor_ms"] > 0
     assert set(result["breakdown_ms"]) == {"matmuls", "attention", "paging", "sampling", "host"}
 
