@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
-from pallas_kernels.reference import _HIGHEST, _soft_cap, pages_as_float
+# BF16_BITS: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
+from pallas_kernels.reference import _HIGHEST, BF16_BITS, _soft_cap
 
 PREFILL_TILE = 16
 # Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
@@ -130,14 +130,56 @@ def _normalise(l, acc):
     return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
+# ---- gathering pages in the layout the dots want ------------------------------------------------
+# Pages are gathered as whole rows of the pool seen as [KVH * blocks, block_size * Dh] (a free
+# reshape): one contiguous row per (kv head, page), landing directly in [KVH, items, keys, Dh],
+# the layout of a dot batched over (kv head, item). Gathering pages[:, idx] from the 4-D pool
+# instead gathers [idx, KVH, ...] slabs that XLA:CPU then transposes, element by element.
+
+def _key_dtype(pages):
+    """What q.K is computed in: bf16 x bf16 with float32 accumulation for a bf16 pool (its
+    uint16 bits on CPU), float32 for float32 and int8 pools."""
+    return jnp.bfloat16 if pages.dtype in (BF16_BITS, jnp.bfloat16) else jnp.float32
+
+
+def _as_dtype(pages, dtype):
+    if pages.dtype == BF16_BITS:
+        pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return pages.astype(dtype)
+
+
+def _flat_rows(pages):
+    """[KVH, N, bs, ...] -> [KVH * N, bs * ...]: one row per (kv head, page)."""
+    return pages.reshape(pages.shape[0] * pages.shape[1], -1)
+
+
+def _gather_pages(flat, page_ids, num_kv_heads, num_blocks, tail):
+    """flat: `_flat_rows` of a pool with num_blocks pages per head; page_ids [A, P] ->
+    [KVH, A, P * bs, *tail] (tail: (Dh,) for pages, () for int8 scales)."""
+    rows = jnp.arange(num_kv_heads)[:, None] * num_blocks + page_ids.reshape(1, -1)
+    return flat[rows].reshape((num_kv_heads, page_ids.shape[0], -1) + tail)
+
+
+def _batched_dot(a, b, contract_b: int, precision):
+    """a [K, A, M, c] . b [K, A, ...] contracting a's last axis with b's `contract_b` axis,
+    batched over (K, A) -> [K, A, M, n] float32."""
+    return jax.lax.dot_general(a, b, (((3,), (contract_b,)), ((0, 1), (0, 1))),
+                               precision=precision, preferred_element_type=jnp.float32)
+
+
+def _precision(dtype):
+    return None if dtype == jnp.bfloat16 else _HIGHEST
+
+
 def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
                                lengths, *, scale=None, k_scales=None, v_scales=None,
                                window=None, soft_cap=None):
     """q [B, H, D]; item_slot [J], item_pages [J, PPI], item_first_pos [J] int32 from
     `decode_work_items` (used items first, then padding); lengths [B]. -> [B, H, D].
-    Loops over the used items in blocks of `decode_items_per_block(B)`."""
+    Loops over the used items in blocks of `decode_items_per_block(B)`. Scores are float32
+    (q.K in bf16 x bf16 -> f32 for a bf16 pool), probabilities and p.V float32."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, num_pool_blocks, block_size, _ = k_pages.shape
     pages_per_item = item_pages.shape[1]
     span = pages_per_item * block_size
     group = num_heads // num_kv_heads
@@ -147,7 +189,12 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     item_pages = _pad_to_multiple(item_pages, per_block, 0, 0)
     item_first_pos = _pad_to_multiple(item_first_pos, per_block, 0, 0)
     num_blocks = (jnp.sum(item_slot < batch) + per_block - 1) // per_block
-    qs = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    key_dtype = _key_dtype(k_pages)
+    qs = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)   # [K, B, G, D]
+    qs = qs.astype(key_dtype)
+    k_flat, v_flat = _flat_rows(k_pages), _flat_rows(v_pages)
+    gather = lambda flat, pages, tail: _gather_pages(flat, pages, num_kv_heads,
+                                                     num_pool_blocks, tail)
     rows = jnp.arange(batch)
 
     def block(b, carry):
@@ -158,46 +205,46 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         key_ok = (slots < batch)[:, None] & (key_pos < lengths[slot][:, None])   # [I, span]
         if window is not None:          # each row's query sits at lengths - 1
             key_ok = key_ok & (key_pos >= (lengths[slot] - window)[:, None])
-        k = k_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
-        v = v_pages[:, pages].reshape(num_kv_heads, per_block, span, head_dim)
-        v = jnp.where(key_ok[None, :, :, None], pages_as_float(v), 0.0)
-        scores = jnp.einsum("ikgd,kitd->ikgt", qs[slot], pages_as_float(k),
-                            precision=_HIGHEST)                                  # [I, K, G, span]
+        mask = key_ok[None, :, None, :]                                          # [1, I, 1, span]
+        k = _as_dtype(gather(k_flat, pages, (head_dim,)), key_dtype)             # [K, I, span, D]
+        v = gather(v_flat, pages, (head_dim,))
+        v = jnp.where(key_ok[None, :, :, None], _as_dtype(v, jnp.float32), 0.0)
+        scores = _batched_dot(qs[:, slot], k, 3, _precision(key_dtype)) * scale   # [K, I, G, span]
         if k_scales is not None:
-            scores = scores * _item_scales(k_scales, pages, key_ok)
+            scores = scores * _scales_of(gather(_flat_rows(k_scales), pages, ()), key_ok)
         scores = _soft_cap(scores, soft_cap)
-        scores = jnp.where(key_ok[:, None, None, :], scores, -jnp.inf)
+        scores = jnp.where(mask, scores, -jnp.inf)
         onehot = slots[None, :] == rows[:, None]                                 # [B, I]
         # A row's items may straddle blocks: the running max is per row.
-        item_max = jnp.max(scores, axis=-1)                                      # [I, K, G]
-        row_max = jnp.max(jnp.where(onehot[:, :, None, None], item_max[None], -jnp.inf), axis=1)
+        item_max = jnp.max(scores, axis=-1)                                      # [K, I, G]
+        row_max = jnp.max(jnp.where(onehot[None, :, :, None], item_max[:, None], -jnp.inf),
+                          axis=2)                                                # [K, B, G]
 
-        def probs_of(new_max):                                                   # [B, K, G]
-            return jnp.where(key_ok[:, None, None, :],
-                             jnp.exp(scores - new_max[slot][..., None]), 0.0)
+        def probs_of(new_max):
+            return jnp.where(mask, jnp.exp(scores - new_max[:, slot][..., None]), 0.0)
 
         def combine(probs):
-            weights = probs if v_scales is None else probs * _item_scales(v_scales, pages, key_ok)
-            item_out = jnp.einsum("ikgt,kitd->ikgd", weights, v, precision=_HIGHEST)
+            weights = probs
+            if v_scales is not None:
+                weights = probs * _scales_of(gather(_flat_rows(v_scales), pages, ()), key_ok)
+            item_out = _batched_dot(weights, v, 2, _HIGHEST)                     # [K, I, G, D]
             sel = onehot.astype(jnp.float32)
-            return (jnp.einsum("bi,ikg->bkg", sel, jnp.sum(probs, axis=-1), precision=_HIGHEST),
-                    jnp.einsum("bi,ikgd->bkgd", sel, item_out, precision=_HIGHEST))
+            return (jnp.einsum("bi,kig->kbg", sel, jnp.sum(probs, axis=-1), precision=_HIGHEST),
+                    jnp.einsum("bi,kigd->kbgd", sel, item_out, precision=_HIGHEST))
 
         return _online_softmax_update(carry, row_max, probs_of, combine)
 
-    shape = (batch, num_kv_heads, group)
+    shape = (num_kv_heads, batch, group)
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, block, init)
-    return _normalise(l, acc).reshape(batch, num_heads, head_dim).astype(q.dtype)
+    out = jnp.swapaxes(_normalise(l, acc), 0, 1)                                  # [B, K, G, D]
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
-def _item_scales(scales, pages, key_ok):
-    """scales [KVH, N, bs] gathered for pages [I, P] -> [I, KVH, 1, P * bs], 0 where masked
-    (a NaN scale in an unused page must not reach arithmetic)."""
-    num_items, pages_per_item = pages.shape
-    s = scales[:, pages].reshape(scales.shape[0], num_items, -1)              # [KVH, I, span]
-    s = jnp.where(key_ok[None], s, 0.0)
-    return jnp.swapaxes(s, 0, 1)[:, :, None, :]
+def _scales_of(scales, key_ok):
+    """Gathered int8 scales [K, A, span] -> [K, A, 1, span], 0 where `key_ok` [A, span] is
+    False (a NaN scale in an unused page must not reach arithmetic)."""
+    return jnp.where(key_ok[None], scales, 0.0)[:, :, None, :]
 
 
 def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None,
@@ -206,9 +253,10 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     padding, which gives zeros); tile_pages [num_tiles, P]: the block table of the sequence
     each tile belongs to. Causal: a query attends to keys at positions <= its own.
     Loops over the call's context in blocks of `prefill_pages_per_block(T, block_size)` pages,
-    up to the largest query position."""
+    up to the largest query position. A (kv head, tile) pair is one dot of its tile * G query
+    rows against the block's keys."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, num_pool_blocks, block_size, _ = k_pages.shape
     num_tiles = tile_pages.shape[0]
     tile = num_tokens // num_tiles
     group = num_heads // num_kv_heads
@@ -223,47 +271,48 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         first_block = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // span, num_blocks)
     pos = query_pos.reshape(num_tiles, tile)
     tile_last = jnp.max(pos, axis=1)
-    qt = q.reshape(num_tiles, tile, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    key_dtype = _key_dtype(k_pages)
+    # Rows of a (kv head, tile) dot: its queries times its group's heads, query-major, so the
+    # transpose moves whole [G, D] runs (head-major rows made it a strided copy, 10 % of a chunk).
+    qt = q.reshape(num_tiles, tile, num_kv_heads, group * head_dim).astype(key_dtype)
+    qt = jnp.transpose(qt, (2, 0, 1, 3)).reshape(num_kv_heads, num_tiles, tile * group,
+                                                 head_dim)                       # [K, N, tq*G, D]
+    row_pos = jnp.repeat(pos, group, axis=1)                                     # [N, tq*G]
+    k_flat, v_flat = _flat_rows(k_pages), _flat_rows(v_pages)
+    gather = lambda flat, pages, tail: _gather_pages(flat, pages, num_kv_heads,
+                                                     num_pool_blocks, tail)
 
     def block(b, carry):
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, b * per_block, per_block, axis=1)
         key_pos = b * span + jnp.arange(span)
         key_used = key_pos[None, :] <= tile_last[:, None]                         # [N, span]
-        mask = key_pos[None, None, :] <= pos[:, :, None]                          # [N, tq, span]
+        mask = key_pos[None, None, :] <= row_pos[:, :, None]                      # [N, tq*G, span]
         if window is not None:
-            mask = mask & (key_pos[None, None, :] > pos[:, :, None] - window)
-        mask = mask[:, None, None]                                                # [N,1,1,tq,span]
-        k = k_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
-        v = v_pages[:, pages].reshape(num_kv_heads, num_tiles, span, head_dim)
-        v = jnp.where(key_used[None, :, :, None], pages_as_float(v), 0.0)
-        scores = jnp.einsum("nqkgd,kntd->nkgqt", qt, pages_as_float(k),
-                            precision=_HIGHEST)                                   # [N, K, G, tq, span]
+            mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
+        mask = mask[None]
+        k = _as_dtype(gather(k_flat, pages, (head_dim,)), key_dtype)             # [K, N, span, D]
+        v = gather(v_flat, pages, (head_dim,))
+        v = jnp.where(key_used[None, :, :, None], _as_dtype(v, jnp.float32), 0.0)
+        scores = _batched_dot(qt, k, 3, _precision(key_dtype)) * scale           # [K, N, tq*G, span]
         if k_scales is not None:
-            scores = scores * _tile_scales(k_scales, pages, key_used)
+            scores = scores * _scales_of(gather(_flat_rows(k_scales), pages, ()), key_used)
         scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
 
-        def probs_of(new_max):                                                    # [N, K, G, tq]
+        def probs_of(new_max):                                                    # [K, N, tq*G]
             return jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
 
         def combine(probs):
-            weights = probs if v_scales is None else probs * _tile_scales(v_scales, pages, key_used)
-            return (jnp.sum(probs, axis=-1),
-                    jnp.einsum("nkgqt,kntd->nkgqd", weights, v, precision=_HIGHEST))
+            weights = probs
+            if v_scales is not None:
+                weights = probs * _scales_of(gather(_flat_rows(v_scales), pages, ()), key_used)
+            return jnp.sum(probs, axis=-1), _batched_dot(weights, v, 2, _HIGHEST)
 
         return _online_softmax_update(carry, jnp.max(scores, axis=-1), probs_of, combine)
 
-    shape = (num_tiles, num_kv_heads, group, tile)
+    shape = (num_kv_heads, num_tiles, tile * group)
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
     _, l, acc = jax.lax.fori_loop(first_block, num_blocks, block, init)
-    out = jnp.transpose(_normalise(l, acc), (0, 3, 1, 2, 4))                       # [N, tq, K, G, D]
+    out = _normalise(l, acc).reshape(num_kv_heads, num_tiles, tile, group * head_dim)
+    out = jnp.transpose(out, (1, 2, 0, 3))                                        # [N, tq, K, G*D]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-
-
-def _tile_scales(scales, tile_pages, key_used):
-    """scales [KVH, N, bs] gathered for tile_pages [N_tiles, P] -> [N_tiles, KVH, 1, 1, P * bs],
-    0 past the tile's last query position (unused pages may hold NaN scales)."""
-    num_tiles = tile_pages.shape[0]
-    s = scales[:, tile_pages].reshape(scales.shape[0], num_tiles, -1)         # [KVH, N, span]
-    s = jnp.where(key_used[None], s, 0.0)
-    return jnp.swapaxes(s, 0, 1)[:, :, None, None, :]
