@@ -34,6 +34,7 @@ BENCHMARKS = {
     "dtype": ("dtype", "bf16 vs float32 on this CPU: per-executable profile, a small mix"),
     "roofline": ("roofline", "decode and prefill steps against the copy-bandwidth and GEMM-peak "
                              "floors measured in the same run"),
+    "ops": ("ops", "one decode step and one prefill chunk op by op (XLA's profiler, HLO shapes)"),
     "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),

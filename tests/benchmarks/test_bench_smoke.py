@@ -226,3 +226,32 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
     # tiny: 2 layers, 4 KV heads' worth of head_dim 16 in bf16, every length in (32, 64]
     assert 4 * 33 * 2 * 2 * 2 * 16 * 2 / 1e6 <= dec["kv_mb"] <= 4 * 64 * 2 * 2 * 2 * 16 * 2 / 1e6
     assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0
+
+
+def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
+    from jaxbatch.benchmarks import ops
+    assert ops.main(["--random-model", "tiny", "--rows", "4", "--steps", "2", "--context", "64",
+                     "--prefill-tokens", "32", "--top", "50", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "ops.json").read_text())
+    for part in ("decode_4", "prefill"):
+        prof = report[part]
+        assert prof["ops"] and all(r["ms"] >= 0 and r["shape"] for r in prof["ops"])
+        # every step runs its layer matmuls and the LM head through dots
+        assert prof["by_class_ms"].get("dot", 0) > 0
+        assert any(r["class"] == "loop" for r in prof["ops"])      # the attention loop
+
+
+def test_hlo_ops_reads_shapes_and_fusion_kinds():
+    from jaxbatch.benchmarks.ops import hlo_ops, op_class
+    text = ('  %ynn_fusion.5 = f32[16,1536]{1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
+            'backend_config={"fusion_config":{"kind":"__ynn_fusion"}}\n'
+            '  %bitcast-convert_bitcast_fusion.2 = bf16[576,1536]{1,0} fusion(%g, %h), '
+            'kind=kLoop, calls=%f\n'
+            '  ROOT %while.3 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%b\n')
+    ops = hlo_ops(text)
+    assert ops["ynn_fusion.5"] == ("f32[16,1536]", "fusion:__ynn_fusion")
+    assert ops["bitcast-convert_bitcast_fusion.2"] == ("bf16[576,1536]", "fusion:kLoop")
+    assert op_class("ynn_fusion.5", *ops["ynn_fusion.5"], set()) == "dot"
+    assert op_class("bitcast-convert_bitcast_fusion.2", *ops["bitcast-convert_bitcast_fusion.2"],
+                    {"576,1536]"}) == "weight copy"
+    assert op_class("while.3", *ops["while.3"], set()) == "loop"

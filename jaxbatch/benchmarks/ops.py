@@ -1,0 +1,181 @@
+"""Where one engine step's device time goes, op by op: XLA's own profiler (`jax.profiler`)
+around steady decode steps and one prefill chunk, each op named with its shape from the
+compiled executable's HLO.
+
+    python -m jaxbatch bench ops [--rows 16 64] [--prefill-tokens 256] [--dtype auto]
+                                 [--steps 5] [--top 20] [--random-model SHAPE]
+
+Decode: `rows` requests decoding in lockstep at contexts in (ctx/2, ctx] (roofline's steady
+engine, no overlap); prefill: one chunk of a second request (the first compiled the step).
+Each op's time is the sum of its trace events over the traced steps, divided by the steps;
+the tracer adds its own cost, so compare ops within one run, not against an untraced step.
+An op's class says what it is for: `dot` (an XNNPACK / ynn fusion: matmuls and attention's
+batched dots), `weight copy` (a slice of a stacked layer matrix copied out before its dot),
+`gather` (KV pages), `loop` (the attention's while loop, wrapping the ops inside it), `other`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from jaxbatch.benchmarks.report import table, write_report
+
+# "%name = shape fusion(" or "%name = shape op(" in an HLO text
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(")
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """name -> (shape, opcode or fusion kind) for every instruction of an HLO module text."""
+    ops = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        if opcode == "fusion":
+            kind = re.search(r'"kind":"(\w+)"', line) or re.search(r"kind=(\w+)", line)
+            opcode = f"fusion:{kind.group(1)}" if kind else "fusion"
+        ops[name] = (re.sub(r"\{[^}]*\}", "", shape), opcode)
+    return ops
+
+
+def op_class(name: str, shape: str, opcode: str, weight_shapes: set[str]) -> str:
+    if "ynn" in opcode or "xnn" in opcode or opcode == "dot" or name.startswith(("ynn", "xnn")):
+        return "dot"
+    if opcode == "while" or name.startswith("while"):
+        return "loop"
+    if "bitcast-convert" in name and shape.split("[")[-1] in weight_shapes:
+        return "weight copy"
+    if "gather" in name or opcode == "gather":
+        return "gather"
+    return "other"
+
+
+def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter]:
+    """Runs fn() `calls` times under jax.profiler; -> (microseconds, count) per event name."""
+    import jax
+    tmp = tempfile.mkdtemp(prefix="jaxbatch-ops-")
+    try:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(calls):
+                fn()
+        (path,) = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    micros, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            micros[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+    return micros, counts
+
+
+def _weight_shapes(params) -> set[str]:
+    """'in,out]' strings of every stacked layer matrix's per-layer slice."""
+    import jax
+    shapes = set()
+    for leaf in jax.tree.leaves(params["layers"]):
+        if leaf.ndim == 3:
+            shapes.add(",".join(map(str, leaf.shape[1:])) + "]")
+    return shapes
+
+
+def profile_step(engine, step_fn, steps: int, top: int) -> dict:
+    """Traces `steps` calls of step_fn; ops of the executables the engine compiled."""
+    hlo = {}
+    for exe in engine.runner.executables.compiled.values():
+        hlo.update(hlo_ops(exe.as_text()))
+    start = time.perf_counter()
+    micros, counts = trace_ops(step_fn, steps)
+    wall = (time.perf_counter() - start) / steps
+    weights = _weight_shapes(engine.runner.params)
+    rows, by_class = [], collections.Counter()
+    for name, us in micros.items():
+        if name not in hlo:
+            continue
+        shape, opcode = hlo[name]
+        cls = op_class(name, shape, opcode, weights)
+        ms = us / steps / 1e3
+        rows.append({"op": name, "class": cls, "shape": shape, "ms": ms,
+                     "calls": counts[name] / steps})
+        if cls != "loop":                 # a loop's time is its body ops' time again
+            by_class[cls] += ms
+    rows.sort(key=lambda r: -r["ms"])
+    return {"traced_step_ms": 1e3 * wall, "by_class_ms": dict(by_class), "ops": rows[:top]}
+
+
+def _markdown(title: str, prof: dict) -> str:
+    classes = table(["class", "ms per step"], [[c, f"{ms:.1f}"] for c, ms in
+                                              sorted(prof["by_class_ms"].items(), key=lambda x: -x[1])])
+    ops = table(["op", "class", "shape", "calls", "ms per step"],
+                [[r["op"], r["class"], r["shape"], f"{r['calls']:.0f}", f"{r['ms']:.2f}"]
+                 for r in prof["ops"]])
+    return f"### {title} (traced step {prof['traced_step_ms']:.1f} ms)\n\n{classes}\n\n{ops}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="jaxbatch bench ops", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", default=[16])
+    ap.add_argument("--context", type=int, default=256, help="a power of two")
+    ap.add_argument("--prefill-tokens", type=int, default=256, help="0: no prefill")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--random-model", default=None,
+                    help="a shape of random_models.MODEL_SHAPES instead of the embedded model")
+    ap.add_argument("--out", default="bench_out/ops")
+    args = ap.parse_args(argv)
+    from jaxbatch import SamplingParams
+    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
+    from jaxbatch.engine.llm_engine import LLMEngine
+    if args.random_model:
+        from jaxbatch.benchmarks.random_models import random_model
+        loaded = random_model(args.random_model, "bfloat16" if args.dtype == "auto" else args.dtype)
+    else:
+        from jaxbatch.model.loader import load_model
+        loaded = load_model(dtype=args.dtype)
+
+    report, sections = {"args": vars(args)}, []
+    for rows in args.rows:
+        engine = steady_decode_engine(loaded, rows, args.context, args.steps + 2, seed=0)
+        engine.step()                                   # the prefills
+        engine.step()                                   # the first decode compiles
+        prof = profile_step(engine, engine.step, args.steps, args.top)
+        report[f"decode_{rows}"] = prof
+        sections.append(_markdown(f"decode, {rows} rows, context <= {args.context}", prof))
+    if args.prefill_tokens:
+        tokens = args.prefill_tokens
+        engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
+                           prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
+                           enable_prefix_caching=False)
+        rng = np.random.default_rng(0)
+        vocab = engine.model_config.vocab_size
+        sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for i in range(2):
+            engine.add_request(f"p{i}", rng.integers(3, vocab, tokens).tolist(), sp)
+            if i == 0:                                  # compiles the chunk's executable
+                while engine.has_unfinished_requests():
+                    engine.step()
+        prof = profile_step(engine, engine.step, 1, args.top)
+        report["prefill"] = prof
+        sections.append(_markdown(f"prefill, one chunk of {tokens} tokens", prof))
+    md = "\n\n".join(sections)
+    print(md)
+    for path in write_report(args.out, "ops", report, md):
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
