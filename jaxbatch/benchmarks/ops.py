@@ -61,14 +61,17 @@ def op_class(name: str, shape: str, opcode: str, weight_shapes: set[str]) -> str
     return "other"
 
 
-def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter]:
-    """Runs fn() `calls` times under jax.profiler; -> (microseconds, count) per event name."""
+def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter, float]:
+    """Runs fn() `calls` times under jax.profiler; -> (microseconds, count) per event name, and
+    the seconds per call (the profiler's start and export excluded)."""
     import jax
     tmp = tempfile.mkdtemp(prefix="jaxbatch-ops-")
     try:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            start = time.perf_counter()
             for _ in range(calls):
                 fn()
+            seconds = (time.perf_counter() - start) / calls
         (path,) = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
@@ -79,7 +82,7 @@ def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter]
         if e.get("ph") == "X" and "dur" in e:
             micros[e["name"]] += e["dur"]
             counts[e["name"]] += 1
-    return micros, counts
+    return micros, counts, seconds
 
 
 def _weight_shapes(params) -> set[str]:
@@ -104,9 +107,7 @@ def profile_step(engine, step_fn, steps: int, top: int) -> dict:
         return run(key, args)
     executables.run = recording_run
     try:
-        start = time.perf_counter()
-        micros, counts = trace_ops(step_fn, steps)
-        wall = (time.perf_counter() - start) / steps
+        micros, counts, wall = trace_ops(step_fn, steps)
     finally:
         del executables.run                              # the class's method again
     hlo = {}
