@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 
 MODEL_CALLS = ("decode", "prefill")          # the runner's model-call kinds (worker/runner.py)
@@ -145,20 +146,13 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=256, help="0: no prefill")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--random-model", default=None,
-                    help="a shape of random_models.MODEL_SHAPES instead of the embedded model")
+    add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/ops")
     args = ap.parse_args(argv)
     from jaxbatch import SamplingParams
     from jaxbatch.benchmarks.decode_floor import steady_decode_engine
     from jaxbatch.engine.llm_engine import LLMEngine
-    if args.random_model:
-        from jaxbatch.benchmarks.random_models import random_model
-        loaded = random_model(args.random_model, "bfloat16" if args.dtype == "auto" else args.dtype)
-    else:
-        from jaxbatch.model.loader import load_model
-        loaded = load_model(dtype=args.dtype)
+    loaded = load_bench_model(args)
 
     report, sections = {"args": vars(args)}, []
     for rows in args.rows:

@@ -135,3 +135,18 @@ def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
         jax.block_until_ready(bump(x))
         times.append(time.perf_counter() - start)
     return 2 * x.nbytes / float(np.median(times))
+
+
+def add_model_arguments(ap) -> None:
+    """--dtype and --random-model, for benchmarks that run the embedded model or a random one."""
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--random-model", default=None,
+                    help="a shape of random_models.MODEL_SHAPES instead of the embedded model")
+
+
+def load_bench_model(args) -> LoadedModel:
+    """The model `add_model_arguments`' flags name (a random one in bf16 under dtype "auto")."""
+    if args.random_model:
+        return random_model(args.random_model, "bfloat16" if args.dtype == "auto" else args.dtype)
+    from jaxbatch.model.loader import load_model
+    return load_model(dtype=args.dtype)

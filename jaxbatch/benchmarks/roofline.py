@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from jaxbatch.benchmarks.machine import machine_info
+from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 
 
@@ -125,17 +126,10 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=256, help="a power of two")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--random-model", default=None,
-                    help="a shape of random_models.MODEL_SHAPES instead of the embedded model")
+    add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/roofline")
     args = ap.parse_args(argv)
-    if args.random_model:
-        from jaxbatch.benchmarks.random_models import random_model
-        loaded = random_model(args.random_model, "bfloat16" if args.dtype == "auto" else args.dtype)
-    else:
-        from jaxbatch.model.loader import load_model
-        loaded = load_model(dtype=args.dtype)
+    loaded = load_bench_model(args)
     bandwidth, peak = copy_bandwidth(), gemm_peak()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s",
           flush=True)
