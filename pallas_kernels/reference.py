@@ -34,11 +34,11 @@ def to_pool_dtype(x, pages_dtype):
     return x.astype(pages_dtype)
 
 
-def pages_as_float(pages):
-    """Gathered pages -> float32 (a uint16 pool holds bf16 bits)."""
+def pages_as_float(pages, dtype=jnp.float32):
+    """Gathered pages -> `dtype` (a uint16 pool holds bf16 bits)."""
     if pages.dtype == BF16_BITS:
         pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
-    return pages.astype(jnp.float32)
+    return pages.astype(dtype)
 
 
 def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# BF16_BITS: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
-from pallas_kernels.reference import _HIGHEST, BF16_BITS, _soft_cap
+# pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
+from pallas_kernels.reference import _HIGHEST, BF16_BITS, _soft_cap, pages_as_float
 
 PREFILL_TILE = 16
 # Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
@@ -142,22 +142,13 @@ def _key_dtype(pages):
     return jnp.bfloat16 if pages.dtype in (BF16_BITS, jnp.bfloat16) else jnp.float32
 
 
-def _as_dtype(pages, dtype):
-    if pages.dtype == BF16_BITS:
-        pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
-    return pages.astype(dtype)
-
-
-def _flat_rows(pages):
-    """[KVH, N, bs, ...] -> [KVH * N, bs * ...]: one row per (kv head, page)."""
-    return pages.reshape(pages.shape[0] * pages.shape[1], -1)
-
-
-def _gather_pages(flat, page_ids, num_kv_heads, num_blocks, tail):
-    """flat: `_flat_rows` of a pool with num_blocks pages per head; page_ids [A, P] ->
-    [KVH, A, P * bs, *tail] (tail: (Dh,) for pages, () for int8 scales)."""
+def _gather_pages(pool, page_ids):
+    """pool [KVH, N, bs, *tail] (pages: tail (Dh,); int8 scales: none), page_ids [A, P] ->
+    [KVH, A, P * bs, *tail], one gathered row per (kv head, page)."""
+    num_kv_heads, num_blocks, *tail = pool.shape[:2] + pool.shape[3:]
     rows = jnp.arange(num_kv_heads)[:, None] * num_blocks + page_ids.reshape(1, -1)
-    return flat[rows].reshape((num_kv_heads, page_ids.shape[0], -1) + tail)
+    flat = pool.reshape(num_kv_heads * num_blocks, -1)                      # free: a bitcast
+    return flat[rows].reshape((num_kv_heads, page_ids.shape[0], -1, *tail))
 
 
 def _batched_dot(a, b, contract_b: int, precision):
@@ -179,7 +170,7 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     Loops over the used items in blocks of `decode_items_per_block(B)`. Scores are float32
     (q.K in bf16 x bf16 -> f32 for a bf16 pool), probabilities and p.V float32."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads, num_pool_blocks, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
     pages_per_item = item_pages.shape[1]
     span = pages_per_item * block_size
     group = num_heads // num_kv_heads
@@ -192,9 +183,6 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     key_dtype = _key_dtype(k_pages)
     qs = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)   # [K, B, G, D]
     qs = qs.astype(key_dtype)
-    k_flat, v_flat = _flat_rows(k_pages), _flat_rows(v_pages)
-    gather = lambda flat, pages, tail: _gather_pages(flat, pages, num_kv_heads,
-                                                     num_pool_blocks, tail)
     rows = jnp.arange(batch)
 
     def block(b, carry):
@@ -206,12 +194,12 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         if window is not None:          # each row's query sits at lengths - 1
             key_ok = key_ok & (key_pos >= (lengths[slot] - window)[:, None])
         mask = key_ok[None, :, None, :]                                          # [1, I, 1, span]
-        k = _as_dtype(gather(k_flat, pages, (head_dim,)), key_dtype)             # [K, I, span, D]
-        v = gather(v_flat, pages, (head_dim,))
-        v = jnp.where(key_ok[None, :, :, None], _as_dtype(v, jnp.float32), 0.0)
+        k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, I, span, D]
+        v = pages_as_float(_gather_pages(v_pages, pages))
+        v = jnp.where(key_ok[None, :, :, None], v, 0.0)
         scores = _batched_dot(qs[:, slot], k, 3, _precision(key_dtype)) * scale   # [K, I, G, span]
         if k_scales is not None:
-            scores = scores * _scales_of(gather(_flat_rows(k_scales), pages, ()), key_ok)
+            scores = scores * _scales_of(_gather_pages(k_scales, pages), key_ok)
         scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
         onehot = slots[None, :] == rows[:, None]                                 # [B, I]
@@ -226,7 +214,7 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         def combine(probs):
             weights = probs
             if v_scales is not None:
-                weights = probs * _scales_of(gather(_flat_rows(v_scales), pages, ()), key_ok)
+                weights = probs * _scales_of(_gather_pages(v_scales, pages), key_ok)
             item_out = _batched_dot(weights, v, 2, _HIGHEST)                     # [K, I, G, D]
             sel = onehot.astype(jnp.float32)
             return (jnp.einsum("bi,kig->kbg", sel, jnp.sum(probs, axis=-1), precision=_HIGHEST),
@@ -256,7 +244,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     up to the largest query position. A (kv head, tile) pair is one dot of its tile * G query
     rows against the block's keys."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pool_blocks, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
     num_tiles = tile_pages.shape[0]
     tile = num_tokens // num_tiles
     group = num_heads // num_kv_heads
@@ -278,9 +266,6 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     qt = jnp.transpose(qt, (2, 0, 1, 3)).reshape(num_kv_heads, num_tiles, tile * group,
                                                  head_dim)                       # [K, N, tq*G, D]
     row_pos = jnp.repeat(pos, group, axis=1)                                     # [N, tq*G]
-    k_flat, v_flat = _flat_rows(k_pages), _flat_rows(v_pages)
-    gather = lambda flat, pages, tail: _gather_pages(flat, pages, num_kv_heads,
-                                                     num_pool_blocks, tail)
 
     def block(b, carry):
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, b * per_block, per_block, axis=1)
@@ -290,12 +275,12 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         if window is not None:
             mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
         mask = mask[None]
-        k = _as_dtype(gather(k_flat, pages, (head_dim,)), key_dtype)             # [K, N, span, D]
-        v = gather(v_flat, pages, (head_dim,))
-        v = jnp.where(key_used[None, :, :, None], _as_dtype(v, jnp.float32), 0.0)
+        k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, N, span, D]
+        v = pages_as_float(_gather_pages(v_pages, pages))
+        v = jnp.where(key_used[None, :, :, None], v, 0.0)
         scores = _batched_dot(qt, k, 3, _precision(key_dtype)) * scale           # [K, N, tq*G, span]
         if k_scales is not None:
-            scores = scores * _scales_of(gather(_flat_rows(k_scales), pages, ()), key_used)
+            scores = scores * _scales_of(_gather_pages(k_scales, pages), key_used)
         scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
 
@@ -305,7 +290,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         def combine(probs):
             weights = probs
             if v_scales is not None:
-                weights = probs * _scales_of(gather(_flat_rows(v_scales), pages, ()), key_used)
+                weights = probs * _scales_of(_gather_pages(v_scales, pages), key_used)
             return jnp.sum(probs, axis=-1), _batched_dot(weights, v, 2, _HIGHEST)
 
         return _online_softmax_update(carry, jnp.max(scores, axis=-1), probs_of, combine)

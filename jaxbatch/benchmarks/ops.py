@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxbatch.benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 
@@ -47,6 +48,15 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
             kind = re.search(r'"kind":"(\w+)"', line) or re.search(r"kind=(\w+)", line)
             opcode = f"fusion:{kind.group(1)}" if kind else "fusion"
         ops[name] = (re.sub(r"\{[^}]*\}", "", shape), opcode)
+    return ops
+
+
+def executable_ops(compiled: dict, keys) -> dict[str, tuple[str, str]]:
+    """`hlo_ops` of the executables `keys` name (compiled: key -> executable). Op names repeat
+    across executables and a trace names only the op: on a clash the model call's op wins."""
+    ops = {}
+    for key in sorted(keys, key=lambda k: k[0] in MODEL_CALLS):        # model calls last
+        ops.update(hlo_ops(compiled[key].as_text()))
     return ops
 
 
@@ -97,23 +107,10 @@ def _weight_shapes(params) -> set[str]:
 
 
 def profile_step(engine, step_fn, steps: int, top: int) -> dict:
-    """Traces `steps` calls of step_fn; ops of the executables those steps ran. Op names repeat
-    across executables (every module has its ynn_fusion.1), and the trace names only the op:
-    where two of the executables run share a name, the model call's wins."""
-    executables = engine.runner.executables
-    ran, run = set(), executables.run
-
-    def recording_run(key, args):
-        ran.add(key)
-        return run(key, args)
-    executables.run = recording_run
-    try:
+    """Traces `steps` calls of step_fn; the ops of the executables those steps ran."""
+    with observe(engine, ExecutableTimer()) as timer:    # which executables the steps run
         micros, counts, wall = trace_ops(step_fn, steps)
-    finally:
-        del executables.run                              # the class's method again
-    hlo = {}
-    for key in sorted(ran, key=lambda k: k[0] in MODEL_CALLS):      # model calls last: they win
-        hlo.update(hlo_ops(executables.compiled[key].as_text()))
+    hlo = executable_ops(engine.runner.executables.compiled, timer.per_key)
     weights = _weight_shapes(engine.runner.params)
     rows, by_class = [], collections.Counter()
     for name, us in micros.items():

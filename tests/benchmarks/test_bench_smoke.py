@@ -255,3 +255,13 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
     assert op_class("bitcast-convert_bitcast_fusion.2", *ops["bitcast-convert_bitcast_fusion.2"],
                     {"576,1536]"}) == "weight copy"
     assert op_class("while.3", *ops["while.3"], set()) == "loop"
+
+
+def test_executable_ops_name_clashes_go_to_the_model_call():
+    from jaxbatch.benchmarks.ops import executable_ops
+    hlo = lambda shape: types.SimpleNamespace(
+        as_text=lambda: f"  %ynn_fusion.1 = {shape} fusion(%a), kind=kCustom, calls=%c\n")
+    compiled = {("sample", 4): hlo("f32[4,1]{1,0}"), ("decode", 4): hlo("f32[4,576]{1,0}")}
+    for keys in ([("sample", 4), ("decode", 4)], [("decode", 4), ("sample", 4)]):
+        assert executable_ops(compiled, keys)["ynn_fusion.1"][0] == "f32[4,576]"
+    assert executable_ops(compiled, [("sample", 4)])["ynn_fusion.1"][0] == "f32[4,1]"
