@@ -97,12 +97,14 @@ def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter,
 
 
 def _weight_shapes(params) -> set[str]:
-    """'in,out]' strings of every stacked layer matrix's per-layer slice."""
+    """'in,out]' strings of every layer matrix's one-layer shape (stacked or per layer, either
+    orientation)."""
     import jax
     shapes = set()
     for leaf in jax.tree.leaves(params["layers"]):
-        if leaf.ndim == 3:
-            shapes.add(",".join(map(str, leaf.shape[1:])) + "]")
+        if leaf.ndim in (2, 3):
+            shapes |= {",".join(map(str, leaf.shape[-2:])) + "]",
+                       ",".join(map(str, leaf.shape[-2:][::-1])) + "]"}
     return shapes
 
 

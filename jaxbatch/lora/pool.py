@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.lora.adapter import HF_TO_OURS, LoRAWeights
+from jaxbatch.model.precision import in_out_shape
 from jaxbatch.model.quantize import is_quantized
 
 
@@ -23,8 +24,7 @@ def target_shapes(params: dict) -> dict[str, tuple[int, int]]:
         if w is None:
             continue
         w = w[0] if isinstance(w, tuple) else w
-        w = w["int8"] if is_quantized(w) else w
-        shapes[ours] = tuple(w.shape[-2:])
+        shapes[ours] = tuple(w["int8"].shape[-2:]) if is_quantized(w) else in_out_shape(w)
     return shapes
 
 

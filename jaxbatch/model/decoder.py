@@ -20,17 +20,17 @@ layer, which is what makes a 30-layer step compile in about a second instead of 
 differs between a family's layers (the attention window, the RoPE frequencies) is scanned
 per-layer data beside the weights, never a Python branch per layer; what differs between
 families (q/k norms, sandwich norms, experts, soft caps) is static config, so a Llama compiles
-exactly what it did before families existed. Two ways for the scan to reach a layer's matrices:
-  stacked [L, in, out]  (default) the scan slices layer l out of the stack. XLA:GPU feeds such
-                        a slice to its GEMM in place; XLA:CPU copies it first (every weight,
-                        every step: about +20 ms on a 16-row SmolLM2 decode step).
-  tuple of L arrays     (JAXBATCH_WEIGHT_LAYOUT=per_layer) each matmul is a `lax.switch` over
-                        the L weights, whose chosen branch reads its weight where it lies: no
-                        copy, 15-20 % faster decode-only steps on CPU, but tracing 30 branches
-                        per matmul makes warm-up's tracing 3x slower (a second start 26 s
-                        instead of 13.5 s), and on the mixed benchmark workload (3 prompt
-                        tokens per output token) throughput was the same (92-94 vs 91-93
-                        tok/s). On a GPU a switch would also sync the host.
+exactly what it did before families existed. Two ways for the scan to reach a layer's matrices
+(`precision.matrices_per_layer_default` picks by platform; JAXBATCH_WEIGHT_LAYOUT overrides):
+  stacked [L, in, out]  (GPU) the scan slices layer l out of the stack, which XLA:GPU feeds to
+                        its GEMM in place. XLA:CPU would copy every slice before its dot
+                        (every weight, every step).
+  tuple of L arrays     (CPU) each matmul is a `lax.switch` over the L weights, whose chosen
+                        branch reads its weight where it lies, stored transposed [out, in] for
+                        XLA:CPU's dots (`precision.to_storage`). Unrolling the layers instead
+                        (no switch) made decode steps faster still but compiled each step for
+                        30 layers: a cold start took twice as long (docs/BENCHMARKS.md,
+                        2026-12-03). On a GPU a switch would also sync the host.
 
 The KV pool is one (k_pages, v_pages) pair, each [num_kv_heads, L * num_blocks, block_size,
 head_dim], plus (k_scales, v_scales) [num_kv_heads, L * num_blocks, block_size] when the pages
@@ -45,7 +45,6 @@ kernel.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import jax
@@ -63,27 +62,35 @@ UNBOUNDED_WINDOW = 1 << 30
 
 
 def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
-    """Per-layer dicts -> the layers dict above (idempotent). `matrices_per_layer` keeps the
-    2-D matrices as a tuple of L arrays; None: only if JAXBATCH_WEIGHT_LAYOUT=per_layer (see
-    the module doc). Vectors and expert stacks are always stacked. Numpy or jax arrays."""
+    """Per-layer dicts -> the layers dict above. `matrices_per_layer` keeps the 2-D matrices
+    as a tuple of L arrays; None: the platform's default (see the module doc). Vectors and
+    expert stacks are always stacked. Numpy or jax arrays. A layers dict is kept as it is,
+    except that `matrices_per_layer=False` stacks its per-layer matrices (in any
+    `precision.to_storage` form)."""
     layers = params["layers"]
     if isinstance(layers, dict):
+        if matrices_per_layer is False:
+            return {**params, "layers": {name: _stack([w if is_quantized(w) else
+                                                        precision.as_float(w) for w in value])
+                                         if isinstance(value, tuple) else value
+                                         for name, value in layers.items()}}
         return params
     if matrices_per_layer is None:
-        matrices_per_layer = os.environ.get("JAXBATCH_WEIGHT_LAYOUT") == "per_layer"
-    stack = np.stack if isinstance(jax.tree.leaves(layers)[0], np.ndarray) else jnp.stack
+        matrices_per_layer = precision.matrices_per_layer_default()
     out = {}
     for name in layers[0]:
         per_layer = [layer[name] for layer in layers]
-        quantized = is_quantized(per_layer[0])
-        is_matrix = (per_layer[0]["int8"] if quantized else per_layer[0]).ndim == 2
-        if is_matrix and matrices_per_layer:
-            out[name] = tuple(per_layer)
-        elif quantized:                          # int8 matrix: stack its values and its scales
-            out[name] = {part: stack([w[part] for w in per_layer]) for part in per_layer[0]}
-        else:
-            out[name] = stack(per_layer)
+        is_matrix = (per_layer[0]["int8"] if is_quantized(per_layer[0]) else per_layer[0]).ndim == 2
+        out[name] = tuple(per_layer) if is_matrix and matrices_per_layer else _stack(per_layer)
     return {**params, "layers": out}
+
+
+def _stack(arrays: list):
+    """[L x (array or int8 {"int8", "scale"})] -> one stack (int8: its values and its scales)."""
+    stack = np.stack if isinstance(jax.tree.leaves(arrays)[0], np.ndarray) else jnp.stack
+    if is_quantized(arrays[0]):
+        return {part: stack([w[part] for w in arrays]) for part in arrays[0]}
+    return stack(arrays)
 
 
 def num_layers_of(params: dict) -> int:

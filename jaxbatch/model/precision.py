@@ -1,6 +1,7 @@
 """The dtype policy, in one place: what each weight, matmul, norm and KV page is computed in.
 
-    weights       the model dtype (float32, or bfloat16 where the silicon has it: `auto_dtype`)
+    weights       the model dtype (float32, or bfloat16 where the silicon has it: `auto_dtype`);
+                  on CPU each layer's matrices kept apart and transposed (`to_storage`)
     matmuls       inputs in the weight's dtype, accumulated in float32 (`dense`, `logits`):
                   bf16 x bf16 -> f32 is the dot XLA:CPU runs on AMX / AVX512-BF16 (1.6-3.7x
                   a float32 dot here); a bf16 x bf16 -> bf16 dot is instead rewritten by
@@ -34,21 +35,54 @@ ACCUMULATE = jnp.float32
 HALF_DTYPES = ("bfloat16", "float16")
 
 
+# A per-layer matrix stored transposed, {OUT_IN: w [out, in]} (`to_storage`, CPU only).
+OUT_IN = "out_in"
+
+
 def dense(x, w):
     """x [T, in] @ w [in, out] -> [T, out] in x's dtype: x cast to w's dtype, accumulated in
     float32 (for float32 weights this is the plain float32 dot). A uint16 `w` is a slice of a
-    stacked layer matrix kept as bf16 bits (`to_storage`)."""
+    stacked layer matrix kept as bf16 bits; {OUT_IN: w [out, in]} a per-layer matrix stored
+    transposed (both `to_storage`)."""
+    if is_out_in(w):
+        w = w[OUT_IN]
+        return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=ACCUMULATE).astype(x.dtype)
     w = as_float(w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=ACCUMULATE).astype(x.dtype)
 
 
+def is_out_in(w) -> bool:
+    return isinstance(w, dict) and OUT_IN in w
+
+
+def matrices_per_layer_default(platform: str | None = None) -> bool:
+    """Whether `decoder.stack_layers` keeps each layer's matrices apart (a tuple of L arrays)
+    instead of stacked [L, in, out]: on CPU, where the layer scan would copy every stacked
+    slice before its dot (XLA:CPU's dot fusions cannot read a dynamic slice in place).
+    JAXBATCH_WEIGHT_LAYOUT=per_layer / stacked overrides."""
+    forced = os.environ.get("JAXBATCH_WEIGHT_LAYOUT")
+    if forced in ("per_layer", "stacked"):
+        return forced == "per_layer"
+    return (platform or jax.default_backend()) == "cpu"
+
+
 def to_storage(params: dict, platform: str | None = None) -> dict:
-    """On CPU, the stacked bf16 layer matrices ([L, in, out], `llama.stack_layers`) are kept as
-    their bits (uint16): the layer scan slices layer l out of each stack (a dynamic-slice),
-    which XLA:CPU does not do in bf16 either: it converts the whole stack to float32 for the
-    slice and hoists that out of the loop, i.e. a float32 copy of every layer weight each
-    step (a 30-layer MLP scan: 550 ms against 20 ms on the bits). Numpy arrays are viewed
-    (free), device arrays bitcast once here. Idempotent; anything else passes unchanged."""
+    """The layer matrices in the form XLA:CPU's dots read best (elsewhere: unchanged).
+
+    Stacked bf16 matrices ([L, in, out], `decoder.stack_layers`) are kept as their bits
+    (uint16): the layer scan slices layer l out of each stack (a dynamic-slice), which XLA:CPU
+    does not do in bf16: it converts the whole stack to float32 for the slice and hoists that
+    out of the loop, i.e. a float32 copy of every layer weight each step (a 30-layer MLP scan:
+    550 ms against 20 ms on the bits).
+
+    Per-layer float matrices (a tuple of L [in, out] arrays) are stored transposed,
+    {OUT_IN: [out, in]} (`out_in`): the operand layout of XNNPACK's fully-connected kernels,
+    which XLA:CPU's dot fusions call, so a small-batch dot reads the weight where it lies
+    instead of repacking it on every call (docs/BENCHMARKS.md, 2026-12-03).
+
+    Numpy arrays are viewed or transposed on the host, device arrays once here. Idempotent;
+    anything else (vectors, int8 matrices, expert stacks) passes unchanged."""
     platform = platform or jax.default_backend()
     layers = params.get("layers")
     if platform != "cpu" or not isinstance(layers, dict):
@@ -61,16 +95,35 @@ def to_storage(params: dict, platform: str | None = None) -> dict:
             return a.view(np.uint16)
         return jax.lax.bitcast_convert_type(a, BF16_BITS)
 
-    return {**params, "layers": {k: bits(v) for k, v in layers.items()}}
+    def per_layer(a):
+        is_float = getattr(a, "ndim", 0) == 2 and jnp.issubdtype(a.dtype, jnp.floating)
+        return {OUT_IN: _transposed(a)} if is_float else a
+
+    return {**params, "layers": {k: tuple(map(per_layer, v)) if isinstance(v, tuple) else bits(v)
+                                 for k, v in layers.items()}}
+
+
+def _transposed(a):
+    return np.ascontiguousarray(a.T) if isinstance(a, np.ndarray) else jnp.transpose(a)
 
 
 def as_float(a):
-    """A weight in `to_storage` form -> its bf16 values (numpy: a free view); others as they are."""
+    """A weight in `to_storage` form -> its [.., in, out] float values (numpy: a free view);
+    others as they are."""
+    if is_out_in(a):
+        return a[OUT_IN].T
     if a.dtype != BF16_BITS:
         return a
     if isinstance(a, np.ndarray):
         return a.view(jnp.bfloat16)
     return jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+
+
+def in_out_shape(w) -> tuple[int, int]:
+    """(in, out) of a float layer matrix or one layer of it, in any `to_storage` form."""
+    if is_out_in(w):
+        return tuple(w[OUT_IN].shape[::-1])
+    return tuple(w.shape[-2:])
 
 
 def logical_dtype(a) -> str:

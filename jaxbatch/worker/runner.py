@@ -89,7 +89,10 @@ class ModelRunner:
                              "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
-        params = precision.to_storage(llama.stack_layers(params))   # bf16 stacks as bits on CPU
+        # XLA:CPU's storage form (model/precision.py); tensor parallelism splits stacked
+        # [L, in, out] matrices, and keeps every collective in the one scanned layer body.
+        stacked = False if tensor_parallel is not None else None
+        params = precision.to_storage(llama.stack_layers(params, matrices_per_layer=stacked))
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)

@@ -177,13 +177,18 @@ def test_loader_quantizes_from_float32_and_caches_the_int8_params(tmp_path, monk
     full = load_model(str(path), "float32")                   # the float32 cache, hit
     assert full.from_cache and not params_are_quantized(full.params)
     want = quantize_params(jax.tree.map(np.asarray, full.params))
+
+    def stacked(w):           # {"int8": [L, in, out], "scale": [L, out]}, stacked or per layer
+        if isinstance(w, tuple):
+            return {part: np.stack([np.asarray(x[part]) for x in w]) for part in w[0]}
+        return {part: np.asarray(value) for part, value in w.items()}
     for got in (first, second):
         layers = got.params["layers"]
-        assert layers["w_up"]["int8"].dtype == jnp.int8
-        assert layers["w_up"]["scale"].dtype == jnp.float32        # whatever the model dtype
+        assert stacked(layers["w_up"])["int8"].dtype == jnp.int8
+        assert stacked(layers["w_up"])["scale"].dtype == jnp.float32  # whatever the model dtype
         assert got.params["embed"].dtype == layers["attn_norm"].dtype == jnp.bfloat16
         for name in ("wq", "w_down"):                 # quantized from float32, not from bf16
-            np.testing.assert_array_equal(np.asarray(layers[name]["int8"]),
-                                          want["layers"][name]["int8"])
+            np.testing.assert_array_equal(stacked(layers[name])["int8"],
+                                          stacked(want["layers"][name])["int8"])
     with pytest.raises(ValueError, match="quantization='fp4'"):
         load_model(str(path), quantization="fp4")

@@ -18,11 +18,14 @@ import pytest
 
 from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.model import precision
+from jaxbatch.model import llama, precision
 from jaxbatch.model.loader import LoadedModel
 from tiny_models import make_hf_model, ours_from_hf
 
 _DEF = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_OPCODE = re.compile(r"%([\w.\-]+) = \S+ ([\w\-]+)\(")
+# What a weight may appear as without being copied: the executable's inputs and views of them.
+_VIEWS = {"parameter", "get-tuple-element", "tuple", "bitcast"}
 _DOT = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
 
 
@@ -31,12 +34,18 @@ def _bf16(loaded: LoadedModel) -> LoadedModel:
     return LoadedModel(loaded.config, params, None, loaded.source + "-bf16", 0.0, False)
 
 
-@pytest.fixture(scope="module", params=["llama_untied_gqa2", "llama_tied_mha"])
+@pytest.fixture(scope="module", params=[("llama_untied_gqa2", "per_layer"),
+                                        ("llama_tied_mha", "per_layer"),
+                                        ("llama_untied_gqa2", "stacked")])
 def tiny_bf16_engine(request):
-    cfg, params = ours_from_hf(make_hf_model(request.param, seed=3))
+    """Both weight layouts (model/decoder.py): per layer and transposed is CPU's default."""
+    name, layout = request.param
+    cfg, params = ours_from_hf(make_hf_model(name, seed=3))
+    params = llama.stack_layers(params, matrices_per_layer=layout == "per_layer")
     loaded = _bf16(LoadedModel(cfg, params, None, "tiny", 0.0, False))
-    # Calls of at most 48 tokens: no activation [T, n] can share a weight's [64, n] or [128, n].
-    engine = LLMEngine(loaded=loaded, max_num_seqs=2, max_model_len=64, prefill_chunk_size=32,
+    # Calls of at most 16 tokens: no activation [T, n] can share the shape of a weight, whose
+    # dims are 32, 64 or 128 either way round.
+    engine = LLMEngine(loaded=loaded, max_num_seqs=2, max_model_len=64, prefill_chunk_size=16,
                        warmup=False, compilation_cache=False)
     return engine, loaded
 
@@ -59,14 +68,25 @@ def _shapes(text: str, materialized_only: bool = False) -> dict[str, tuple[str, 
     return out
 
 
+def _layer_matrices(params) -> set[tuple[int, ...]]:
+    """One layer's shape of every layer matrix, as the runner stores it (a stacked slice or
+    one array of the per-layer tuple, [in, out] or transposed)."""
+    out = set()
+    for value in params["layers"].values():
+        per_layer = isinstance(value, tuple)
+        out |= {tuple(leaf.shape[-2:]) for leaf in jax.tree.leaves(value)
+                if leaf.ndim == (2 if per_layer else 3)}
+    return out
+
+
 def _weight_shapes(params) -> set[tuple[int, ...]]:
     """Every shape a weight matrix (or its per-layer slice) has."""
-    out = {tuple(params["embed"].shape)}
+    out = {tuple(params["embed"].shape)} | _layer_matrices(params)
     if "lm_head" in params:
         out.add(tuple(params["lm_head"].shape))
-    for a in params["layers"].values():
+    for a in jax.tree.leaves(params["layers"]):
         if a.ndim == 3:
-            out |= {tuple(a.shape), (1,) + tuple(a.shape[1:]), tuple(a.shape[1:])}
+            out |= {tuple(a.shape), (1,) + tuple(a.shape[1:])}
     return out
 
 
@@ -74,8 +94,8 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
     engine, loaded = tiny_bf16_engine
     runner = engine.runner
     assert engine.stats()["dtype"] == "bfloat16" and engine.stats()["kv_cache_dtype"] == "bfloat16"
-    weights = _weight_shapes(loaded.params)
-    matrices = {tuple(a.shape[1:]) for a in loaded.params["layers"].values() if a.ndim == 3}
+    weights = _weight_shapes(runner.params)
+    matrices = _layer_matrices(runner.params)
     assert len(matrices) >= 3                                   # q/o, k/v, gate/up, down
     lm_head = tuple(loaded.params["lm_head"].shape if "lm_head" in loaded.params
                     else loaded.params["embed"].shape)
@@ -89,6 +109,14 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
         bad = sorted({(n, s) for n, (t, s) in _shapes(text, materialized_only=True).items()
                       if (t == "f32" and (s in weights or s == pool)) or (t == "bf16" and s == pool)})
         assert not bad, (key, bad[:5])
+        if isinstance(runner.params["layers"]["wq"], tuple):
+            # Per layer, each dot reads its weight where it lies: no bf16 copy of any matrix
+            # (the stacked layout copies every slice out of its stack: model/decoder.py).
+            opcodes = dict(_OPCODE.findall(text))
+            copies = sorted((n, opcodes.get(n)) for n, (t, s) in
+                            _shapes(text, materialized_only=True).items()
+                            if t == "bf16" and s in matrices and opcodes.get(n) not in _VIEWS)
+            assert not copies, (key, copies[:5])
         # Dots whose weight operand is bf16, accumulated in f32: each layer matrix and the head.
         bf16_dots = set()
         for m in _DOT.finditer(text):
@@ -210,3 +238,32 @@ def test_embedded_bf16_outputs_are_identical_solo_and_in_a_batch(embedded_bf16):
     stats = llm.llm_engine.stats()
     assert stats["num_compilations_after_warmup"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_per_layer_matrices_are_stored_transposed_and_restack_to_the_same_values():
+    rng = np.random.default_rng(1)
+    w = [jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16) for _ in range(2)]
+    norm = jnp.ones((2, 8), jnp.bfloat16)
+    params = {"embed": w[0], "layers": {"w": tuple(w), "norm": norm}}
+    stored = precision.to_storage(params, platform="cpu")
+    assert all(precision.is_out_in(m) and m[precision.OUT_IN].shape == (4, 8)
+               for m in stored["layers"]["w"])
+    assert stored["layers"]["norm"] is norm
+    assert precision.to_storage(stored, platform="cpu")["layers"]["w"][0] is stored["layers"]["w"][0]
+    assert precision.to_storage(params, platform="gpu") is params
+    assert precision.in_out_shape(stored["layers"]["w"][1]) == (8, 4) == precision.in_out_shape(w[1])
+    host = precision.to_storage(jax.tree.map(np.asarray, params), platform="cpu")
+    np.testing.assert_array_equal(host["layers"]["w"][1][precision.OUT_IN], np.asarray(w[1]).T)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng.standard_normal((5, 8)), dtype)
+        got = precision.dense(x, precision.to_storage(
+            {"layers": {"w": (w[1].astype(dtype),)}}, platform="cpu")["layers"]["w"][0])
+        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                   np.asarray(precision.dense(x, w[1].astype(dtype)), np.float32),
+                                   rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+    # Tensor parallelism's stacked [L, in, out] from the stored form, values unchanged.
+    restacked = llama.stack_layers(stored, matrices_per_layer=False)["layers"]["w"]
+    np.testing.assert_array_equal(np.asarray(restacked), np.stack([np.asarray(m) for m in w]))
+    from jaxbatch.model.quantize import quantize_matrix, quantize_params
+    q = quantize_params({"layers": {"wq": stored["layers"]["w"]}})["layers"]["wq"][1]
+    np.testing.assert_array_equal(q["int8"], quantize_matrix(w[1])["int8"])
