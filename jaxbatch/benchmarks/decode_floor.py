@@ -72,9 +72,9 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     new_caches = []
     for layer, (k_cache, v_cache) in zip(params["layers"], caches):
         h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q = (h @ layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
-        k = (h @ layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
-        v = (h @ layer["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        q = layers._dense(h, layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
+        k = layers._dense(h, layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        v = layers._dense(h, layer["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if with_attention:
@@ -83,7 +83,7 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
             out = _dense_attention(q, k_cache, v_cache, lengths, cfg.head_dim ** -0.5)
         else:
             out = q   # "matmuls only": same shapes, no attention work
-        x = x + out.reshape(b, -1) @ layer["wo"]
+        x = x + layers._dense(out.reshape(b, -1), layer["wo"])
         h = llama.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         x = x + layers.mlp_block(layer, cfg, h, 0)   # per-layer weights: index unused
         new_caches.append((k_cache, v_cache))
