@@ -247,6 +247,8 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
             'backend_config={"fusion_config":{"kind":"__ynn_fusion"}}\n'
             '  %bitcast-convert_bitcast_fusion.2 = bf16[576,1536]{1,0} fusion(%g, %h), '
             'kind=kLoop, calls=%f\n'
+            '  %cond.154.clone.3 = (bf16[16,1536]{1,0}) conditional(%i, %x), '
+            'branch_computations={%b0, %b1}\n'
             '  ROOT %while.3 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%b\n')
     ops = hlo_ops(text)
     assert ops["ynn_fusion.5"] == ("f32[16,1536]", "fusion:__ynn_fusion")
@@ -255,6 +257,7 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
     assert op_class("bitcast-convert_bitcast_fusion.2", *ops["bitcast-convert_bitcast_fusion.2"],
                     {"576,1536]"}) == "weight copy"
     assert op_class("while.3", *ops["while.3"], set()) == "loop"
+    assert op_class("cond.154.clone.3", *ops["cond.154.clone.3"], set()) == "switched dot"
 
 
 def test_executable_ops_name_clashes_go_to_the_model_call():
