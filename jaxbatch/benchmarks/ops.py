@@ -12,7 +12,8 @@ the tracer adds its own cost, so compare ops within one run, not against an untr
 An op's class says what it is for: `dot` (an XNNPACK / ynn fusion: matmuls and attention's
 batched dots), `switched dot` (a `lax.switch` picking one layer's matrix on CPU, timed as one
 event with the dot inside it), `weight copy` (a slice of a stacked layer matrix copied out
-before its dot), `gather` (KV pages), `loop` (the attention's while loop, wrapping the ops inside it), `other`.
+before its dot), `gather` (KV pages), `loop` (the attention's while loop, wrapping the ops
+inside it), `other`.
 """
 from __future__ import annotations
 
@@ -100,14 +101,13 @@ def trace_ops(fn, calls: int) -> tuple[collections.Counter, collections.Counter,
 
 
 def _weight_shapes(params) -> set[str]:
-    """'in,out]' strings of every layer matrix's one-layer shape (stacked or per layer, either
-    orientation)."""
+    """'in,out]' strings of every stacked layer matrix's per-layer slice (only stacks are
+    sliced and copied: per-layer matrices are read in place)."""
     import jax
     shapes = set()
     for leaf in jax.tree.leaves(params["layers"]):
-        if leaf.ndim in (2, 3):
-            shapes |= {",".join(map(str, leaf.shape[-2:])) + "]",
-                       ",".join(map(str, leaf.shape[-2:][::-1])) + "]"}
+        if leaf.ndim == 3:
+            shapes.add(",".join(map(str, leaf.shape[1:])) + "]")
     return shapes
 
 

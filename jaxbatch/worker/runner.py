@@ -91,8 +91,8 @@ class ModelRunner:
         self.cfg = sched_cfg
         # XLA:CPU's storage form (model/precision.py); tensor parallelism splits stacked
         # [L, in, out] matrices, and keeps every collective in the one scanned layer body.
-        stacked = False if tensor_parallel is not None else None
-        params = precision.to_storage(llama.stack_layers(params, matrices_per_layer=stacked))
+        per_layer = False if tensor_parallel is not None else None   # None: the platform's
+        params = precision.to_storage(llama.stack_layers(params, matrices_per_layer=per_layer))
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)
