@@ -8,9 +8,9 @@ are checked against the oracle in tests/worker/test_xla_attention.py.
 
 Decode, a work list. One item is (slot, up to PAGES_PER_ITEM consecutive pages of its table): the
 host lists the pages in use by every slot, sorted by slot, padded with items whose slot is out
-of range. The device loops over the used items, a block at a time: scores are
-[items, PAGES_PER_ITEM * bs], and each row's softmax is assembled across its items with one-hot
-[rows, items] matmuls, which XLA on CPU runs far faster than a scatter.
+of range. The device loops over the used items, a block at a time, computing each item's
+softmax over its own keys ([items, PAGES_PER_ITEM * bs] scores); a second loop then folds each
+row's items together in item order.
 
 Prefill, query tiles. Packed prefill tokens come in tiles of `PREFILL_TILE` tokens, each tile
 holding tokens of one chunk only (the host pads every chunk to a multiple of the tile), and each
@@ -88,21 +88,14 @@ def decode_work_items(tables: list[tuple[int, list[int], int]], num_slots: int, 
 # iteration (not measured yet: no GPU was lent when this was written); the Pallas kernels have
 # no such loop.
 
-MAX_ITEMS_PER_BLOCK = 16          # decode: 16 items of 8 pages = 2048 keys a loop iteration
-MIN_PREFILL_BLOCK_KEYS = 64       # prefill: keys a loop iteration, growing with the call's
-MAX_PREFILL_BLOCK_KEYS = 256      # tokens between these two
+# Block sizes are constants, not functions of the call's size: how a row's softmax is split and
+# summed must not depend on which rows share its call, or bf16 outputs differ solo and batched.
+ITEMS_PER_BLOCK = 8               # decode: 8 items of 8 pages = 1024 keys a loop iteration
+PREFILL_BLOCK_KEYS = 128          # prefill: keys a loop iteration, at absolute positions
 
 
-def decode_items_per_block(num_rows: int) -> int:
-    """Items a decode loop iteration takes: two per row, 4 to 16 (an unused item of a block
-    costs what a used one does: 4 rows of 7 items, 30 layers: 8-10 ms in blocks of 4 or 8,
-    14 ms in blocks of 16)."""
-    return min(MAX_ITEMS_PER_BLOCK, max(4, 2 * num_rows))
-
-
-def prefill_pages_per_block(num_tokens: int, block_size: int) -> int:
-    keys = min(MAX_PREFILL_BLOCK_KEYS, max(MIN_PREFILL_BLOCK_KEYS, num_tokens))
-    return max(1, keys // block_size)
+def prefill_pages_per_block(block_size: int) -> int:
+    return max(1, PREFILL_BLOCK_KEYS // block_size)
 
 
 def _pad_to_multiple(x, multiple: int, axis: int, value):
@@ -114,16 +107,18 @@ def _pad_to_multiple(x, multiple: int, axis: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _online_softmax_update(carry, scores_max, probs_of, combine):
+def _online_softmax_update(carry, scores_max, probs_of, combine, per_lane: bool = False):
     """One block of an online softmax. carry = (m, l, acc): running max, sum and unnormalised
     output. `probs_of(new_max)` -> the block's probabilities relative to new_max (0 where
-    masked); `combine(probs)` -> (their sum, their output) in carry's shapes."""
+    masked); `combine(probs)` -> (their sum, their output) in carry's shapes. `per_lane`: m
+    and l have acc's shape (one copy per lane of D) instead of acc's without its last axis."""
     m, l, acc = carry
     new_m = jnp.maximum(m, scores_max)
     safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)       # nothing seen yet: any shift
     correction = jnp.where(jnp.isfinite(m), jnp.exp(m - safe_m), 0.0)
     block_sum, block_out = combine(probs_of(safe_m))
-    return new_m, l * correction + block_sum, acc * correction[..., None] + block_out
+    return new_m, l * correction + block_sum, \
+        acc * (correction if per_lane else correction[..., None]) + block_out
 
 
 def _normalise(l, acc):
@@ -166,27 +161,33 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
                                lengths, *, scale=None, k_scales=None, v_scales=None,
                                window=None, soft_cap=None):
     """q [B, H, D]; item_slot [J], item_pages [J, PPI], item_first_pos [J] int32 from
-    `decode_work_items` (used items first, then padding); lengths [B]. -> [B, H, D].
-    Loops over the used items in blocks of `decode_items_per_block(B)`. Scores are float32
-    (q.K in bf16 x bf16 -> f32 for a bf16 pool), probabilities and p.V float32."""
+    `decode_work_items` (used items first, sorted by row, then padding); lengths [B].
+    -> [B, H, D]. Scores are float32 (q.K in bf16 x bf16 -> f32 for a bf16 pool),
+    probabilities and p.V float32.
+
+    Two loops, so that a row's result depends on its own items only (batch invariance: which
+    rows share a call must not change how a row's softmax is summed):
+    1. over the used items, ITEMS_PER_BLOCK at a time: each item's softmax over its own keys,
+       relative to its own max -> (max, sum, output) per item;
+    2. over item ranks: each row folds in its k-th item's partial result, in item order."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     pages_per_item = item_pages.shape[1]
     span = pages_per_item * block_size
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    per_block = decode_items_per_block(batch)
+    per_block = ITEMS_PER_BLOCK
     item_slot = _pad_to_multiple(item_slot, per_block, 0, batch)
     item_pages = _pad_to_multiple(item_pages, per_block, 0, 0)
     item_first_pos = _pad_to_multiple(item_first_pos, per_block, 0, 0)
-    num_blocks = (jnp.sum(item_slot < batch) + per_block - 1) // per_block
+    num_items = item_slot.shape[0]
+    used = item_slot < batch
+    num_blocks = (jnp.sum(used) + per_block - 1) // per_block
     key_dtype = _key_dtype(k_pages)
-    qs = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)   # [K, B, G, D]
-    qs = qs.astype(key_dtype)
-    rows = jnp.arange(batch)
 
-    def block(b, carry):
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, b * per_block, per_block)
+    def item_block(b, partials):
+        start = b * per_block
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_block)
         slots, pages, first_pos = take(item_slot), take(item_pages), take(item_first_pos)
         slot = jnp.minimum(slots, batch - 1)
         key_pos = first_pos[:, None] + jnp.arange(span)[None, :]                 # [I, span]
@@ -197,35 +198,51 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, I, span, D]
         v = pages_as_float(_gather_pages(v_pages, pages))
         v = jnp.where(key_ok[None, :, :, None], v, 0.0)
-        scores = _batched_dot(qs[:, slot], k, 3, _precision(key_dtype)) * scale   # [K, I, G, span]
+        # Each item's q is gathered into an array of the block's fixed shape: what XLA fuses
+        # into it (the q projection's RoPE) is then computed the same way for any B.
+        q_items = q[slot].reshape(per_block, num_kv_heads, group, head_dim).astype(key_dtype)
+        q_items = jnp.swapaxes(q_items, 0, 1)                                    # [K, I, G, D]
+        scores = _batched_dot(q_items, k, 3, _precision(key_dtype)) * scale      # [K, I, G, span]
         if k_scales is not None:
             scores = scores * _scales_of(_gather_pages(k_scales, pages), key_ok)
         scores = _soft_cap(scores, soft_cap)
         scores = jnp.where(mask, scores, -jnp.inf)
-        onehot = slots[None, :] == rows[:, None]                                 # [B, I]
-        # A row's items may straddle blocks: the running max is per row.
         item_max = jnp.max(scores, axis=-1)                                      # [K, I, G]
-        row_max = jnp.max(jnp.where(onehot[None, :, :, None], item_max[:, None], -jnp.inf),
-                          axis=2)                                                # [K, B, G]
+        shift = jnp.where(jnp.isfinite(item_max), item_max, 0.0)
+        probs = jnp.where(mask, jnp.exp(scores - shift[..., None]), 0.0)
+        weights = probs
+        if v_scales is not None:
+            weights = probs * _scales_of(_gather_pages(v_scales, pages), key_ok)
+        item_out = _batched_dot(weights, v, 2, _HIGHEST)                         # [K, I, G, D]
+        wide = lambda x: jnp.broadcast_to(x[..., None], item_out.shape)          # [K, I, G, D]
+        put = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, x, start, axis=1)
+        m, l, o = partials
+        return put(m, wide(item_max)), put(l, wide(jnp.sum(probs, axis=-1))), put(o, item_out)
 
-        def probs_of(new_max):
-            return jnp.where(mask, jnp.exp(scores - new_max[:, slot][..., None]), 0.0)
+    # Each item's max and sum are kept once per lane of D, like its output: arithmetic on a
+    # [K, B, G] array would be vectorised differently for different B (XLA:CPU contracts
+    # a * b + c into one rounding in some loop paths and not in others), and a row's result
+    # would then depend on the batch again.
+    wide_shape = (num_kv_heads, num_items, group, head_dim)
+    partials = (jnp.full(wide_shape, -jnp.inf), jnp.zeros(wide_shape), jnp.zeros(wide_shape))
+    item_m, item_l, item_o = jax.lax.fori_loop(0, num_blocks, item_block, partials)
 
-        def combine(probs):
-            weights = probs
-            if v_scales is not None:
-                weights = probs * _scales_of(_gather_pages(v_scales, pages), key_ok)
-            item_out = _batched_dot(weights, v, 2, _HIGHEST)                     # [K, I, G, D]
-            sel = onehot.astype(jnp.float32)
-            return (jnp.einsum("bi,kig->kbg", sel, jnp.sum(probs, axis=-1), precision=_HIGHEST),
-                    jnp.einsum("bi,kigd->kbgd", sel, item_out, precision=_HIGHEST))
+    # Items are sorted by row: row r's are items first[r] .. first[r] + count[r] - 1.
+    count = jnp.sum(item_slot[None, :] == jnp.arange(batch)[:, None], axis=1)   # [B]
+    first = jnp.cumsum(count) - count
 
-        return _online_softmax_update(carry, row_max, probs_of, combine)
+    def fold(rank, carry):
+        has = (rank < count)[None, :, None, None]                                # [1, B, 1, 1]
+        idx = jnp.where(rank < count, first + rank, 0)
+        m_k = jnp.where(has, item_m[:, idx], -jnp.inf)                           # [K, B, G, D]
+        return _online_softmax_update(carry, m_k, lambda new_m: jnp.exp(m_k - new_m),
+                                      lambda c: (c * item_l[:, idx], c * item_o[:, idx]),
+                                      per_lane=True)
 
-    shape = (num_kv_heads, batch, group)
-    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, block, init)
-    out = jnp.swapaxes(_normalise(l, acc), 0, 1)                                  # [B, K, G, D]
+    shape = (num_kv_heads, batch, group, head_dim)
+    init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
+    _, l, acc = jax.lax.fori_loop(0, jnp.max(count), fold, init)
+    out = jnp.swapaxes(acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny), 0, 1)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
@@ -240,7 +257,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     """q [T, H, D] with T = num_tiles * PREFILL_TILE; query_pos [T] (absolute position, -1 for
     padding, which gives zeros); tile_pages [num_tiles, P]: the block table of the sequence
     each tile belongs to. Causal: a query attends to keys at positions <= its own.
-    Loops over the call's context in blocks of `prefill_pages_per_block(T, block_size)` pages,
+    Loops over the call's context in blocks of `prefill_pages_per_block(block_size)` pages,
     up to the largest query position. A (kv head, tile) pair is one dot of its tile * G query
     rows against the block's keys."""
     num_tokens, num_heads, head_dim = q.shape
@@ -249,7 +266,7 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     tile = num_tokens // num_tiles
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    per_block = prefill_pages_per_block(num_tokens, block_size)
+    per_block = prefill_pages_per_block(block_size)
     span = per_block * block_size
     tile_pages = _pad_to_multiple(tile_pages, per_block, 1, 0)
     num_blocks = (jnp.max(query_pos) + span) // span           # 0 when every query is padding

@@ -18,6 +18,7 @@ from jaxbatch.model.lora_delta import lora_delta
 from jaxbatch.model.quantize import int8_matmul, is_quantized
 from jaxbatch.model.rope import apply_rope
 from pallas_kernels.int8 import write_kv_int8
+from pallas_kernels.ordered_sum import ordered_softmax, ordered_sum
 from pallas_kernels.reference import write_kv_ref
 
 # attend(q [T, H, Dh], k_pages, v_pages, block_offset int32 scalar, scales=None, window=None,
@@ -57,7 +58,8 @@ def unsharded(fn):
 def rms_norm(x, weight, eps, offset: float = 0.0):
     """Scales by (offset + weight): Gemma stores w with offset 1 meaning identity."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
+    mean_square = ordered_sum(x32 * x32, keepdims=True) / x.shape[-1]           # batch-invariant
+    normed = x32 * jnp.reciprocal(jnp.sqrt(mean_square + eps))
     return (normed * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
 
 
@@ -132,10 +134,10 @@ def moe_block(layer, cfg: ModelConfig, x, index):
     T=16 d=1024 F=768 E=64 k=8 1.7 vs 4.0 s: dense wins everywhere on CPU. A GPU, where
     ragged_dot has a grouped-GEMM lowering, is unmeasured (no device was lent)."""
     logits = _matmul(x, layer["w_router"], index).astype(jnp.float32)          # [T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = ordered_softmax(logits)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)               # [T, k]
     if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w / ordered_sum(top_w, keepdims=True)
     combine = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32)
                       * top_w[..., None], axis=1)                              # [T, E]
     per_expert = jax.vmap(_dense, in_axes=(None, 0))                           # -> [E, T, out]

@@ -1,4 +1,5 @@
-"""Sampling on device, one row per sequence, every row independent of the others.
+"""Sampling on device, one row per sequence, every row independent of the others: its sums go
+through `ordered_sum`, whose result does not depend on how many rows the call has.
 
 Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
 sequence draws the same noise alone or in any batch, and again after a preemption.
@@ -27,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.core.plan import SamplingRow
-from jaxbatch.worker.rejection_sampler import rejection_sample
 from jaxbatch.sampling_params import MAX_LOGPROBS
+from jaxbatch.worker.rejection_sampler import rejection_sample
+from pallas_kernels.ordered_sum import ordered_log_softmax, ordered_softmax
 
 MAX_BANNED = 16   # EOS + stop_token_ids held back while min_tokens is not reached
 VERIFY_SALT = 0x5EC0DE   # folded into a row's key for the rejection step's uniform
@@ -129,7 +131,7 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     sorted_desc = -jnp.sort(-scaled, axis=-1)                                   # [N, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)          # [N, 1]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    probs = ordered_softmax(sorted_desc)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     keep_sorted = cum_before < top_p[:, None]                                   # first always kept
     pth = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
@@ -142,8 +144,8 @@ def _distribution(processed, s: SamplingArrays):
     scaled = processed / jnp.maximum(s.temperature, 1e-6)[:, None]
     needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
     scaled = jax.lax.cond(needs_sort, _filter_top_k_top_p, lambda x, k, p: x, scaled, s.top_k, s.top_p)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    # p / max(p) = exp(scaled - max(scaled)): no sum, so nothing that depends on the batch.
+    keep = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)) >= s.min_p[:, None]
     return jnp.where(keep, scaled, -jnp.inf)
 
 
@@ -164,7 +166,7 @@ def _random_choice_with_probs(processed, s: SamplingArrays):
     (Gumbel-max over `scaled` samples exactly softmax(scaled))."""
     scaled = _distribution(processed, s)
     tokens = jnp.argmax(scaled + _gumbel(s, scaled.shape[-1]), axis=-1).astype(jnp.int32)
-    return tokens, jax.nn.softmax(scaled, axis=-1)
+    return tokens, ordered_softmax(scaled)
 
 
 def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
@@ -180,7 +182,7 @@ def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), VERIFY_SALT)
         return jax.random.uniform(key, (), jnp.float32)
     u = jax.vmap(uniform)(s.seed, s.position)                                   # [N]
-    verified = rejection_sample(jax.nn.softmax(scaled, axis=-1), draft_probs,
+    verified = rejection_sample(ordered_softmax(scaled), draft_probs,
                                 jnp.maximum(draft_token, 0), u, gumbel)
     return jnp.where(draft_token >= 0, verified, plain)
 
@@ -211,7 +213,7 @@ def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs):
 def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     """`random_choice(processed, s)` -> tokens, or (tokens, extra) with `all_greedy_choice`
     giving the same structure when every row is greedy; extra is appended to the outputs."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logprobs = ordered_log_softmax(logits)
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
     n = logits.shape[0]
@@ -246,7 +248,7 @@ def _no_top_logprobs(raw):
 def prompt_logprobs(logits, next_tokens):
     """logits [C, V] at chunk positions, next_tokens [C] -> (logprob of next token [C],
     top ids [C, K], top logprobs [C, K])."""
-    raw = jax.nn.log_softmax(logits, axis=-1)
+    raw = ordered_log_softmax(logits)
     target = jnp.take_along_axis(raw, jnp.maximum(next_tokens, 0)[:, None], axis=-1)[:, 0]
     top_ids, top_lp = _top_logprobs(raw)
     return target, top_ids, top_lp

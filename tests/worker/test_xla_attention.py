@@ -180,6 +180,46 @@ def test_num_decode_items(seed, block_size):
         assert num_decode_items([], block_size, ppi) == 0
 
 
+def _decode_rows(seed, rows, dtype):
+    """Decode attention of the given rows of one fixed population (20 sequences of 1 to 12
+    pages, 2 pages per item, so rows straddle the loop's item blocks), computed in one call
+    holding only those rows (at least 4, as the runner pads), with a bucket of its own size."""
+    rng = np.random.default_rng(seed)
+    num_heads, num_kv_heads, head_dim, block_size, ppi, pages_per_seq = 8, 2, 64, 16, 2, 12
+    lengths = rng.integers(1, pages_per_seq * block_size + 1, 20)
+    tables, num_blocks = random_tables(rng, lengths, pages_per_seq, block_size)
+    k, v = nan_pool(num_kv_heads, num_blocks, block_size, head_dim)
+    for i, n in enumerate(lengths):
+        fill_pages(rng, k, v, tables[i], n)
+    q_all = rng.standard_normal((len(lengths), num_heads, head_dim))
+    num_rows = max(4, len(rows))
+    q = np.zeros((num_rows, num_heads, head_dim))
+    q[:len(rows)] = q_all[rows]
+    row_lengths = np.zeros(num_rows, np.int32)
+    row_lengths[:len(rows)] = lengths[rows]
+    live = [(j, tables[r].tolist(), int(lengths[r])) for j, r in enumerate(rows)]
+    bucket = num_decode_items(row_lengths, block_size, ppi) + len(rows)
+    items = decode_work_items(live, num_rows, block_size, bucket, ppi)
+    # q stays float32 so that the output is not rounded to the pool's dtype, which would hide
+    # differences in how a row was summed.
+    out = _decode(jnp.asarray(q, jnp.float32), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                  *(jnp.asarray(a) for a in items), jnp.asarray(row_lengths))
+    return _np32(out)[:len(rows)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_rows_are_bit_identical_whatever_shares_their_call(dtype):
+    """Batch invariance: a row's output may not depend on the rows beside it, through the
+    call's size or through where its items fall in the work list (a bf16 activation rounded
+    from differently summed float32 can round the other way)."""
+    everyone = _decode_rows(81, list(range(20)), dtype)
+    assert np.isfinite(everyone).all()
+    for rows in ([3], [7, 0], [19, 2, 11, 5, 8, 13], list(range(20))[::-1]):
+        some = _decode_rows(81, rows, dtype)
+        for j, r in enumerate(rows):
+            assert (some[j] == everyone[r]).all(), f"row {r} differs when called with rows {rows}"
+
+
 # --- prefill tiles ---------------------------------------------------------------------------
 
 def _prefill_case(seed, num_heads, num_kv_heads, head_dim, block_size, dtype, chunks,
@@ -232,7 +272,7 @@ PREFILL_CASES = [
     (53, 8, 2, 128, 16, jnp.float32, [(16, 17), (0, 33), (3, 14), (50, 2)], 2),
     (54, 9, 3, 128, 16, jnp.bfloat16, [(5, 27), (0, 3), (64, 16)], 0),
     (55, 4, 4, 128, 32, jnp.bfloat16, [(33, 7), (0, 19), (1, 45), (80, 12)], 1),
-    # contexts of several loop blocks (64 keys each at this size), ending mid-block
+    # contexts of several loop blocks (PREFILL_BLOCK_KEYS each), ending mid-block
     (56, 9, 3, 64, 16, jnp.float32, [(300, 20), (0, 40), (130, 5)], 1),
 ]
 
@@ -261,6 +301,23 @@ def test_prefill_custom_scale():
         ref = _np32(_ragged_ref(*ref_args, scale=jnp.float32(scale)))
         for i, (base, row, n) in enumerate(spans):
             _check(out[base:base + n], ref[row:row + n], dtype, seed, f" chunk {i}")
+
+
+def test_prefill_chunks_are_bit_identical_whatever_shares_their_call():
+    """A chunk's attention may not depend on the other chunks packed into its call."""
+    chunks = [(200, 16), (0, 48), (130, 80), (450, 32)]
+    _, _, spans = _prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)
+    together = _np32(_prefill(*_prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)[0]))
+    for i in range(len(chunks)):
+        # The same pool and tables come from the same seed; chunk i alone keeps its own q.
+        xla_args, _, _ = _prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)
+        q, k, v, query_pos, tile_pages = xla_args
+        base, _, n = spans[i]
+        tiles = slice(base // PREFILL_TILE, (base + _cdiv(n, PREFILL_TILE) * PREFILL_TILE)
+                      // PREFILL_TILE)
+        rows = slice(base, base + _cdiv(n, PREFILL_TILE) * PREFILL_TILE)
+        alone = _np32(_prefill(q[rows], k, v, query_pos[rows], tile_pages[tiles]))
+        assert (alone[:n] == together[base:base + n]).all(), f"chunk {i} differs alone"
 
 
 # --- jit -------------------------------------------------------------------------------------

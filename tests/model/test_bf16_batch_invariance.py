@@ -1,0 +1,76 @@
+"""bf16 outputs bit for bit the same alone and among others, on the embedded model: ten requests
+sharing eight slots, long prompts prefilled in chunks beside decoding rows, requests admitted as
+others finish. Every generated token's logprob must match its solo run.
+
+What this guards: row sums whose order XLA:CPU picks from the array's shape (`ordered_sum`, used
+by RMSNorm and the sampler; with `jnp.mean` in RMSNorm 9 of the 10 differ). The CPU attention's
+own invariance (its blocks do not depend on the call's size) is checked directly in
+tests/worker/test_xla_attention.py. One source is outside jaxbatch: XLA:CPU's fusion
+emitters contract a * b + c * d (RoPE) into fused multiply-adds differently for different row
+counts, so the run uses XLA_FLAGS=--xla_cpu_use_fusion_emitters=false (docs/features.md, "Batch
+invariance"). It runs in its own process because XLA reads its flags once per process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+EXACT_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
+
+
+def test_bf16_outputs_are_identical_solo_and_among_ten_with_exact_codegen():
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + EXACT_CODEGEN))
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "identical: 10 of 10" in run.stdout
+
+
+def _scenario() -> None:
+    from jaxbatch import LLM, SamplingParams
+    from jaxbatch.model.loader import load_model
+    llm = LLM(loaded=load_model(dtype="bfloat16"), max_num_seqs=8, max_model_len=256,
+              prefill_chunk_size=64)
+    stats = llm.llm_engine.stats()
+    assert stats["dtype"] == "bfloat16" and stats["kv_cache_dtype"] == "bfloat16"
+    story = "The old lighthouse keeper climbed the stairs each night and watched the sea. "
+    prompts = ["The capital of France is", "Write a haiku about rain.",
+               "List three prime numbers:", "Once upon a time, in a small village,",
+               story * 12 + "What did he see?",                     # ~190 tokens: 3 chunks
+               "Explain photosynthesis in one sentence.", story * 6,  # ~100 tokens: 2 chunks
+               "Count from one to ten:", "def fibonacci(n):", "A recipe for bread:"]
+
+    def greedy(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    params = [greedy(12),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=0),
+              greedy(12),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True,
+                             logprobs=0),
+              greedy(40), greedy(6), greedy(30), greedy(20), greedy(48), greedy(9)]
+
+    def run(group):
+        outs = llm.generate([prompts[i] for i in group], [params[i] for i in group],
+                            use_tqdm=False)
+        return {i: (o.outputs[0].token_ids,
+                    [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for i, o in zip(group, outs)}
+
+    everyone = run(list(range(len(prompts))))
+    same = 0
+    for i in range(len(prompts)):
+        solo = run([i])[i]
+        if solo == everyone[i]:
+            same += 1
+        else:
+            first = next(k for k, (a, b) in enumerate(zip(solo[1], everyone[i][1])) if a != b)
+            print(f"request {i}: logprob {first} differs solo and among ten")
+    assert len({tuple(toks) for toks, _ in everyone.values()}) == len(prompts)
+    stats = llm.llm_engine.stats()
+    assert stats["num_compilations_after_warmup"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    print(f"identical: {same} of {len(prompts)}")
+
+
+if __name__ == "__main__":
+    _scenario()
