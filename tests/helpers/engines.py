@@ -52,3 +52,12 @@ class Close:
 
 def result(out) -> list:
     return [(c.token_ids, Close(c.logprobs)) for c in out.outputs]
+
+
+def tokens_and_logprobs(llm, prompts: list, params: list, group: list[int]) -> dict:
+    """Runs prompts[i] with params[i] for i in group through `llm.generate` -> {i: (token ids,
+    each generated token's logprob)}: what bit-for-bit comparisons compare."""
+    outs = llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
+    return {i: (o.outputs[0].token_ids,
+                [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for i, o in zip(group, outs)}

@@ -20,6 +20,7 @@ from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model import llama, precision
 from jaxbatch.model.loader import LoadedModel
+from engines import tokens_and_logprobs
 from tiny_models import make_hf_model, ours_from_hf
 
 _DEF = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]")
@@ -223,11 +224,7 @@ def test_embedded_bf16_outputs_are_identical_solo_and_in_a_batch(embedded_bf16):
                              logprobs=0)]
 
     def run(group):
-        outs = llm.generate([prompts[i] for i in group], [params[i] for i in group],
-                            use_tqdm=False)
-        return {i: (o.outputs[0].token_ids,
-                    [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for i, o in zip(group, outs)}
+        return tokens_and_logprobs(llm, prompts, params, group)
 
     batch = run([0, 1, 2, 3])
     pairs = {**run([0, 1]), **run([2, 3])}

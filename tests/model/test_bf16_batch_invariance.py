@@ -27,6 +27,7 @@ def test_bf16_outputs_are_identical_solo_and_among_ten_with_exact_codegen():
 
 
 def _scenario() -> None:
+    from engines import tokens_and_logprobs     # tests/helpers, on the path under pytest
     from jaxbatch import LLM, SamplingParams
     from jaxbatch.model.loader import load_model
     llm = LLM(loaded=load_model(dtype="bfloat16"), max_num_seqs=8, max_model_len=256,
@@ -50,11 +51,7 @@ def _scenario() -> None:
               greedy(40), greedy(6), greedy(30), greedy(20), greedy(48), greedy(9)]
 
     def run(group):
-        outs = llm.generate([prompts[i] for i in group], [params[i] for i in group],
-                            use_tqdm=False)
-        return {i: (o.outputs[0].token_ids,
-                    [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for i, o in zip(group, outs)}
+        return tokens_and_logprobs(llm, prompts, params, group)
 
     everyone = run(list(range(len(prompts))))
     same = 0
@@ -73,4 +70,5 @@ def _scenario() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers"))
     _scenario()
