@@ -45,6 +45,6 @@ def ordered_log_softmax(x):
 
 
 def ordered_softmax(x):
+    """softmax over the last axis with `ordered_sum`."""
     shifted = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
     return shifted / ordered_sum(shifted, keepdims=True)
-

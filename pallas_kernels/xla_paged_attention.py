@@ -181,9 +181,10 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     item_pages = _pad_to_multiple(item_pages, per_block, 0, 0)
     item_first_pos = _pad_to_multiple(item_first_pos, per_block, 0, 0)
     num_items = item_slot.shape[0]
-    used = item_slot < batch
-    num_blocks = (jnp.sum(used) + per_block - 1) // per_block
+    num_blocks = (jnp.sum(item_slot < batch) + per_block - 1) // per_block
     key_dtype = _key_dtype(k_pages)
+    qs = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, head_dim), 0, 1)   # [K, B, G, D]
+    qs = qs.astype(key_dtype)
 
     def item_block(b, partials):
         start = b * per_block
@@ -198,11 +199,7 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, I, span, D]
         v = pages_as_float(_gather_pages(v_pages, pages))
         v = jnp.where(key_ok[None, :, :, None], v, 0.0)
-        # Each item's q is gathered into an array of the block's fixed shape: what XLA fuses
-        # into it (the q projection's RoPE) is then computed the same way for any B.
-        q_items = q[slot].reshape(per_block, num_kv_heads, group, head_dim).astype(key_dtype)
-        q_items = jnp.swapaxes(q_items, 0, 1)                                    # [K, I, G, D]
-        scores = _batched_dot(q_items, k, 3, _precision(key_dtype)) * scale      # [K, I, G, span]
+        scores = _batched_dot(qs[:, slot], k, 3, _precision(key_dtype)) * scale   # [K, I, G, span]
         if k_scales is not None:
             scores = scores * _scales_of(_gather_pages(k_scales, pages), key_ok)
         scores = _soft_cap(scores, soft_cap)
@@ -242,7 +239,7 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
     shape = (num_kv_heads, batch, group, head_dim)
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
     _, l, acc = jax.lax.fori_loop(0, jnp.max(count), fold, init)
-    out = jnp.swapaxes(acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny), 0, 1)  # [B, K, G, D]
+    out = jnp.swapaxes(_normalise(l[..., 0], acc), 0, 1)                          # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
