@@ -211,32 +211,38 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         if v_scales is not None:
             weights = probs * _scales_of(_gather_pages(v_scales, pages), key_ok)
         item_out = _batched_dot(weights, v, 2, _HIGHEST)                         # [K, I, G, D]
-        wide = lambda x: jnp.broadcast_to(x[..., None], item_out.shape)          # [K, I, G, D]
         put = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, x, start, axis=1)
         m, l, o = partials
-        return put(m, wide(item_max)), put(l, wide(jnp.sum(probs, axis=-1))), put(o, item_out)
+        return put(m, item_max), put(l, jnp.sum(probs, axis=-1)), put(o, item_out)
 
-    # Each item's max and sum are kept once per lane of D, like its output: arithmetic on a
-    # [K, B, G] array would be vectorised differently for different B (XLA:CPU contracts
-    # a * b + c into one rounding in some loop paths and not in others), and a row's result
-    # would then depend on the batch again.
-    wide_shape = (num_kv_heads, num_items, group, head_dim)
-    partials = (jnp.full(wide_shape, -jnp.inf), jnp.zeros(wide_shape), jnp.zeros(wide_shape))
+    # Sized for every item the call can hold, not only those in use: only the items' maxima
+    # and sums are [K, items, G] (initialising three [K, items, G, D] arrays in every layer
+    # was a visible part of a decode step with a long max_model_len). Items not in use are
+    # never read (the fold gives them weight 0 and reads item 0 instead).
+    partials = (jnp.full((num_kv_heads, num_items, group), -jnp.inf),
+                jnp.zeros((num_kv_heads, num_items, group)),
+                jnp.zeros((num_kv_heads, num_items, group, head_dim)))
     item_m, item_l, item_o = jax.lax.fori_loop(0, num_blocks, item_block, partials)
 
     # Items are sorted by row: row r's are items first[r] .. first[r] + count[r] - 1.
     count = jnp.sum(item_slot[None, :] == jnp.arange(batch)[:, None], axis=1)   # [B]
     first = jnp.cumsum(count) - count
+    shape = (num_kv_heads, batch, group, head_dim)
+
+    # The fold's arithmetic is per lane of D ([K, B, G, D], each item's max and sum broadcast
+    # over D): on a [K, B, G] array it would be vectorised differently for different B
+    # (XLA:CPU contracts a * b + c into one rounding in some loop paths and not in others),
+    # and a row's result would then depend on the batch again.
+    wide = lambda x: jnp.broadcast_to(x[..., None], shape)                       # [K, B, G, D]
 
     def fold(rank, carry):
         has = (rank < count)[None, :, None, None]                                # [1, B, 1, 1]
         idx = jnp.where(rank < count, first + rank, 0)
-        m_k = jnp.where(has, item_m[:, idx], -jnp.inf)                           # [K, B, G, D]
+        m_k = jnp.where(has, wide(item_m[:, idx]), -jnp.inf)                     # [K, B, G, D]
         return _online_softmax_update(carry, m_k, lambda new_m: jnp.exp(m_k - new_m),
-                                      lambda c: (c * item_l[:, idx], c * item_o[:, idx]),
+                                      lambda c: (c * wide(item_l[:, idx]), c * item_o[:, idx]),
                                       per_lane=True)
 
-    shape = (num_kv_heads, batch, group, head_dim)
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
     _, l, acc = jax.lax.fori_loop(0, jnp.max(count), fold, init)
     out = jnp.swapaxes(_normalise(l[..., 0], acc), 0, 1)                          # [B, K, G, D]
