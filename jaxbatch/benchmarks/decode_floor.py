@@ -44,7 +44,7 @@ from jaxbatch.worker import attention, runner as runner_mod, sampler
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model import layers, llama
 from jaxbatch.model.loader import load_model
-from jaxbatch.model.rope import apply_rope
+from jaxbatch.model.rope import apply_rope, rope_tables
 from jaxbatch.worker.step_inputs import MIN_DECODE_ROWS
 
 
@@ -70,13 +70,14 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     lengths = positions + 1
     x = params["embed"][tokens]
     new_caches = []
+    rope = rope_tables(positions, inv_freq)
     for layer, (k_cache, v_cache) in zip(params["layers"], caches):
         h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q = layers._dense(h, layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
         k = layers._dense(h, layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
         v = layers._dense(h, layer["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
         if with_attention:
             k_cache = k_cache.at[rows, positions].set(k)
             v_cache = v_cache.at[rows, positions].set(v)

@@ -56,6 +56,7 @@ from jaxbatch.model.config import NO_WINDOW, ModelConfig
 from jaxbatch.model.layers import (AttendFn, _dense, attention_block, mlp_block, moe_block,
                                    rms_norm, unsharded)
 from jaxbatch.model.quantize import is_quantized
+from jaxbatch.model.rope import rope_tables
 
 # A window no sequence reaches: what a full layer of a windowed model attends with.
 UNBOUNDED_WINDOW = 1 << 30
@@ -100,17 +101,21 @@ def num_layers_of(params: dict) -> int:
     return layers["attn_norm"].shape[0]
 
 
-def _per_layer_data(cfg: ModelConfig, num_layers: int, inv_freq) -> dict:
-    """What the scan hands each layer besides its weights: its RoPE frequencies [L, R/2] and,
-    for models with windows, its window [L] (full layers: a window no sequence reaches)."""
-    inv_freq = jnp.asarray(inv_freq)
-    if inv_freq.ndim == 1:
-        inv_freq = jnp.broadcast_to(inv_freq, (num_layers,) + inv_freq.shape)
-    data = {"inv_freq": inv_freq}
+def _per_layer_data(cfg: ModelConfig, inv_freq, positions) -> tuple[dict, tuple | None]:
+    """What the scan hands each layer besides its weights, and what every layer shares. RoPE's
+    (cos, sin) tables, computed here once for the call's positions: [L, T, R] scanned when
+    layers have their own frequencies (`rope.inverse_frequencies`), else [T, R] shared. For
+    models with windows, each layer's window [L] (full layers: a window no sequence reaches)."""
+    tables = rope_tables(positions, jnp.asarray(inv_freq), cfg.rope_attention_factor)
+    data, shared_rope = {}, None
+    if tables[0].ndim == 3:
+        data["rope"] = tables
+    else:
+        shared_rope = tables
     if cfg.layer_windows is not None:
         data["window"] = jnp.asarray([UNBOUNDED_WINDOW if w == NO_WINDOW else w
                                       for w in cfg.layer_windows], jnp.int32)
-    return data
+    return data, shared_rope
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
@@ -152,9 +157,9 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
         layer = {**layer, **per_layer,
                  **{f"lora_{name}": (a, b, one_hot) for name, (a, b) in lora_layer.items()}}
         h, pool = attention_block(
-            layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset), positions, slot_mapping,
-            pool, index, index * blocks_per_layer, attend, data["inv_freq"],
-            data.get("window"), per_shard)
+            layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset),
+            data.get("rope", shared_rope), slot_mapping, pool, index, index * blocks_per_layer,
+            attend, data.get("window"), per_shard)
         if cfg.sandwich_norm:
             h = rms_norm(h, layer["post_attn_norm"], eps, offset)
         x = x + h
@@ -163,7 +168,8 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
             h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
         return (x + h, pool), None
 
-    xs = (stacked, _per_layer_data(cfg, num_layers, inv_freq),
+    per_layer_data, shared_rope = _per_layer_data(cfg, inv_freq, positions)
+    xs = (stacked, per_layer_data,
           jnp.arange(num_layers, dtype=jnp.int32), lora_xs)
     (x, pool), _ = jax.lax.scan(one_layer, (x, tuple(kv_pool)), xs)
     return rms_norm(x, params["final_norm"], eps, offset), pool

@@ -78,9 +78,10 @@ def write_kv_pool(pool: tuple, k, v, slot_mapping) -> tuple:
     return write_kv_int8(*pool, k, v, slot_mapping)
 
 
-def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, index,
-                    block_offset, attend, inv_freq, window, per_shard):
-    """`window`: this layer's int32 scalar from the scan, or None for models without one."""
+def attention_block(layer, cfg: ModelConfig, x, rope, slot_mapping, pool, index,
+                    block_offset, attend, window, per_shard):
+    """`rope`: this layer's (cos, sin) [T, R] (`rope.rope_tables`); `window`: its int32
+    scalar from the scan, or None for models without one."""
     num_tokens = x.shape[0]
     q = _matmul(x, layer["wq"], index, layer.get("lora_wq"))
     k = _matmul(x, layer["wk"], index, layer.get("lora_wk"))
@@ -93,8 +94,8 @@ def attention_block(layer, cfg: ModelConfig, x, positions, slot_mapping, pool, i
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q = apply_rope(q, positions, inv_freq, cfg.rope_attention_factor)
-    k = apply_rope(k, positions, inv_freq, cfg.rope_attention_factor)
+    q = apply_rope(q, *rope)
+    k = apply_rope(k, *rope)
     extra = {}
     if window is not None:
         extra["window"] = window

@@ -50,15 +50,24 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
                      for theta, s in cfg.layer_rope])
 
 
-def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
-    """x: [T, heads, head_dim]; positions: [T] int32; inv_freq [R/2] (R <= head_dim: features
-    past R are not rotated); `attention_factor` scales cos and sin (longrope) -> x's shape."""
-    rot = 2 * inv_freq.shape[-1]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, None, :]     # [T, 1, R]
-    sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, None, :]
+def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
+    """positions [T] int32; inv_freq [R/2] or [L, R/2] -> (cos, sin), each [T, R] or
+    [L, T, R] float32, scaled by `attention_factor` (longrope). Computed once per forward,
+    before the layer loop: inside a layer, XLA fuses cos and sin into each head's rotation and
+    evaluates them once per element of q and k, for every layer."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[..., None, :]  # [(L,) T, R/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)                       # [(L,) T, R]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+def apply_rope(x, cos, sin):
+    """x: [T, heads, head_dim]; cos, sin [T, R] (`rope_tables`; R <= head_dim: features past
+    R are not rotated) -> x's shape."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]                               # [T, 1, R]
     x32 = x.astype(jnp.float32)
     x_rot, x_pass = x32[..., :rot], x32[..., rot:]
     half = rot // 2
