@@ -17,7 +17,7 @@ or per layer in the same way.
 
 The forward is one layer's computation iterated with `lax.scan`: compiled once, not once per
 layer, which is what makes a 30-layer step compile in about a second instead of ten. What
-differs between a family's layers (the attention window, the RoPE frequencies) is scanned
+differs between a family's layers (the attention window, which RoPE table) is scanned
 per-layer data beside the weights, never a Python branch per layer; what differs between
 families (q/k norms, sandwich norms, experts, soft caps) is static config, so a Llama compiles
 exactly what it did before families existed. Two ways for the scan to reach a layer's matrices
@@ -101,21 +101,27 @@ def num_layers_of(params: dict) -> int:
     return layers["attn_norm"].shape[0]
 
 
-def _per_layer_data(cfg: ModelConfig, inv_freq, positions) -> tuple[dict, tuple | None]:
-    """What the scan hands each layer besides its weights, and what every layer shares. RoPE's
-    (cos, sin) tables, computed here once for the call's positions: [L, T, R] scanned when
-    layers have their own frequencies (`rope.inverse_frequencies`), else [T, R] shared. For
-    models with windows, each layer's window [L] (full layers: a window no sequence reaches)."""
-    tables = rope_tables(positions, jnp.asarray(inv_freq), cfg.rope_attention_factor)
-    data, shared_rope = {}, None
-    if tables[0].ndim == 3:
-        data["rope"] = tables
+def _per_layer_data(cfg: ModelConfig, inv_freq, positions) -> tuple[dict, tuple]:
+    """What the scan hands each layer besides its weights, and what every layer shares.
+    RoPE's (cos, sin), computed here once for the call's positions (`rope.rope_tables`): one
+    [T, R] pair when every layer has the same frequencies; else one [U, T, R] pair, a table per
+    distinct frequency row (Gemma 3: a local and a global base), and each layer's row scanned
+    as "rope_row" [L]. For models with windows, each layer's window [L] (full layers: a window
+    no sequence reaches)."""
+    data = {}
+    if jnp.ndim(inv_freq) == 1:
+        tables = rope_tables(positions, jnp.asarray(inv_freq), cfg.rope_attention_factor)
+    elif isinstance(inv_freq, jax.core.Tracer):           # rows unknown: a table per layer
+        tables = rope_tables(positions, inv_freq, cfg.rope_attention_factor)
+        data["rope_row"] = jnp.arange(inv_freq.shape[0], dtype=jnp.int32)
     else:
-        shared_rope = tables
+        rows, row_of_layer = np.unique(np.asarray(inv_freq), axis=0, return_inverse=True)
+        tables = rope_tables(positions, jnp.asarray(rows), cfg.rope_attention_factor)
+        data["rope_row"] = jnp.asarray(row_of_layer.reshape(-1), jnp.int32)
     if cfg.layer_windows is not None:
         data["window"] = jnp.asarray([UNBOUNDED_WINDOW if w == NO_WINDOW else w
                                       for w in cfg.layer_windows], jnp.int32)
-    return data, shared_rope
+    return data, tables
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
@@ -158,7 +164,7 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
                  **{f"lora_{name}": (a, b, one_hot) for name, (a, b) in lora_layer.items()}}
         h, pool = attention_block(
             layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset),
-            data.get("rope", shared_rope), slot_mapping, pool, index, index * blocks_per_layer,
+            layer_rope(data), slot_mapping, pool, index, index * blocks_per_layer,
             attend, data.get("window"), per_shard)
         if cfg.sandwich_norm:
             h = rms_norm(h, layer["post_attn_norm"], eps, offset)
@@ -168,7 +174,14 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
             h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
         return (x + h, pool), None
 
-    per_layer_data, shared_rope = _per_layer_data(cfg, inv_freq, positions)
+    per_layer_data, rope = _per_layer_data(cfg, inv_freq, positions)
+
+    def layer_rope(data):
+        """This layer's (cos, sin) [T, R]."""
+        if "rope_row" not in data:
+            return rope
+        return tuple(table[data["rope_row"]] for table in rope)
+
     xs = (stacked, per_layer_data,
           jnp.arange(num_layers, dtype=jnp.int32), lora_xs)
     (x, pool), _ = jax.lax.scan(one_layer, (x, tuple(kv_pool)), xs)

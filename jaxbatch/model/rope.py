@@ -66,6 +66,7 @@ def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
 def apply_rope(x, cos, sin):
     """x: [T, heads, head_dim]; cos, sin [T, R] (`rope_tables`; R <= head_dim: features past
     R are not rotated) -> x's shape."""
+    assert cos.ndim == 2, "one layer's tables: [T, R]"
     rot = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]                               # [T, 1, R]
     x32 = x.astype(jnp.float32)

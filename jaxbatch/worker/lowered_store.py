@@ -32,7 +32,7 @@ from jax import export
 
 logger = logging.getLogger(__name__)
 
-# The code that ends up inside a lowered step (folders: every .py file in them).
+# The code that ends up inside a lowered step (folders: every .py file in them, subfolders too).
 _TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "jaxbatch/worker",
                    "jaxbatch/sampling_params.py", "jaxbatch/core/config.py", "jaxbatch/core/plan.py")
 _FORMAT = 1
@@ -46,7 +46,8 @@ def source_hash() -> str:
     for entry in _TRACED_SOURCES:
         full = os.path.join(root, entry)
         if os.path.isdir(full):
-            paths += [os.path.join(full, f) for f in os.listdir(full) if f.endswith(".py")]
+            paths += [os.path.join(folder, f) for folder, _, files in os.walk(full)
+                      for f in files if f.endswith(".py")]
         else:
             paths.append(full)
     for path in sorted(paths):

@@ -150,9 +150,9 @@ def _distribution(processed, s: SamplingArrays):
 
 
 def _argmax(x):
-    """[N, V] -> [N] int32: the first maximum, as jnp.argmax (NaN counts as +inf), from two
-    plain reductions: XLA:CPU runs argmax's (value, index) reduction element by element,
-    several times slower over a vocabulary."""
+    """[N, V] -> [N] int32: the first maximum, NaN counted as +inf (unlike jnp.argmax, a NaN
+    does not beat an earlier +inf), from two plain reductions: XLA:CPU runs jnp.argmax's
+    (value, index) reduction element by element, several times slower over a vocabulary."""
     x = jnp.where(jnp.isnan(x), jnp.inf, x)
     ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
     best = jnp.max(x, axis=-1, keepdims=True)

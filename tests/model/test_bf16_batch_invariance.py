@@ -1,14 +1,14 @@
 """bf16 outputs bit for bit the same alone and among others, on the embedded model: ten requests
 sharing eight slots, long prompts prefilled in chunks beside decoding rows, requests admitted as
-others finish. Every generated token's logprob must match its solo run. Default settings: bf16
-is what `dtype="auto"` picks on this CPU.
+others finish. Every generated token's logprob must match its solo run. No XLA flags; bf16 is
+what `dtype="auto"` picks on this CPU.
 
 What this guards (docs/features.md, "Batch invariance"):
 - row sums whose order XLA:CPU picks from the array's shape (`ordered_sum`, used by RMSNorm and
   the sampler; with `jnp.mean` in RMSNorm 9 of the 10 differ);
-- RoPE computed once per forward from (cos, sin) tables (`rope.rope_tables`): with cos and sin
-  evaluated inside each layer, XLA:CPU's fusion emitters contracted the rotation differently
-  for different row counts, and 6 of the 10 differed.
+- RoPE's (cos, sin) tables computed once per forward (`rope.rope_tables`): with cos and sin
+  evaluated inside each layer, 6 of the 10 differed (XLA:CPU's fusion emitters rounded some
+  fusion differently for different row counts; with them off, all 10 matched).
 The CPU attention's own invariance (its blocks do not depend on the call's size) is checked
 directly in tests/worker/test_xla_attention.py."""
 from __future__ import annotations
