@@ -111,10 +111,7 @@ def _per_layer_data(cfg: ModelConfig, inv_freq, positions) -> tuple[dict, tuple]
     data = {}
     if jnp.ndim(inv_freq) == 1:
         tables = rope_tables(positions, jnp.asarray(inv_freq), cfg.rope_attention_factor)
-    elif isinstance(inv_freq, jax.core.Tracer):           # rows unknown: a table per layer
-        tables = rope_tables(positions, inv_freq, cfg.rope_attention_factor)
-        data["rope_row"] = jnp.arange(inv_freq.shape[0], dtype=jnp.int32)
-    else:
+    else:                       # a constant of the call (the runner's), never traced
         rows, row_of_layer = np.unique(np.asarray(inv_freq), axis=0, return_inverse=True)
         tables = rope_tables(positions, jnp.asarray(rows), cfg.rope_attention_factor)
         data["rope_row"] = jnp.asarray(row_of_layer.reshape(-1), jnp.int32)

@@ -53,8 +53,8 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
     """positions [T] int32; inv_freq [R/2] or [L, R/2] -> (cos, sin), each [T, R] or
     [L, T, R] float32, scaled by `attention_factor` (longrope). Computed once per forward,
-    before the layer loop: inside a layer, XLA fuses cos and sin into each head's rotation and
-    evaluates them once per element of q and k, for every layer."""
+    before the layer loop: from frequencies scanned per layer, XLA evaluated them in every
+    layer, once for q and once for k."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[..., None, :]  # [(L,) T, R/2]
     angles = jnp.concatenate([angles, angles], axis=-1)                       # [(L,) T, R]
     cos, sin = jnp.cos(angles), jnp.sin(angles)

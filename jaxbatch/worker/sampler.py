@@ -1,5 +1,6 @@
-"""Sampling on device, one row per sequence, every row independent of the others: its sums go
-through `ordered_sum`, whose result does not depend on how many rows the call has.
+"""Sampling on device, one row per sequence, every row independent of the others: its softmax
+sums go through `ordered_sum`, whose result does not depend on how many rows the call has (top-p's
+cumulative sum is still `jnp.cumsum`).
 
 Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
 sequence draws the same noise alone or in any batch, and again after a preemption.

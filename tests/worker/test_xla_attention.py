@@ -306,12 +306,10 @@ def test_prefill_custom_scale():
 def test_prefill_chunks_are_bit_identical_whatever_shares_their_call():
     """A chunk's attention may not depend on the other chunks packed into its call."""
     chunks = [(200, 16), (0, 48), (130, 80), (450, 32)]
-    _, _, spans = _prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)
-    together = _np32(_prefill(*_prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)[0]))
+    xla_args, _, spans = _prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)
+    together = _np32(_prefill(*xla_args))
+    q, k, v, query_pos, tile_pages = xla_args
     for i in range(len(chunks)):
-        # The same pool and tables come from the same seed; chunk i alone keeps its own q.
-        xla_args, _, _ = _prefill_case(91, 9, 3, 64, 16, jnp.float32, chunks, 0)
-        q, k, v, query_pos, tile_pages = xla_args
         base, _, n = spans[i]
         tiles = slice(base // PREFILL_TILE, (base + _cdiv(n, PREFILL_TILE) * PREFILL_TILE)
                       // PREFILL_TILE)
