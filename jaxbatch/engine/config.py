@@ -131,6 +131,10 @@ class RuntimeOptions:
                                     "kernels, xla elsewhere", ATTENTION_BACKENDS)
     warmup: bool = option(True, "compile every step shape before the first request, so nothing "
                           "compiles while serving")
+    warmup_runs: bool = option(True, "with warmup, also run each model step shape once (on "
+                               "inputs that touch no request): XLA:CPU sets up an "
+                               "executable's kernels on its first run, which the first "
+                               "requests of each shape would otherwise wait for")
     compilation_cache: bool = option(True, "keep compiled and lowered steps on disk "
                                      "(~/.cache/jaxbatch, or $JAXBATCH_CACHE)")
 

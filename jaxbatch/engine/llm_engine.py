@@ -120,7 +120,7 @@ class LLMEngine(EngineBase):
             self.warmup()
 
     def warmup(self) -> float:
-        self.warmup_seconds += self.runner.warmup()
+        self.warmup_seconds += self.runner.warmup(run=self.options.runtime.warmup_runs)
         return self.warmup_seconds
 
     # ---- requests ------------------------------------------------------------------------

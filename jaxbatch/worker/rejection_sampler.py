@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxbatch.worker.argmax import first_argmax
+
 
 def rejection_sample(p, q, draft, u, gumbel):
     """p, q [N, V] f32 (rows sum to 1); draft [N] i32, drawn from q; u [N] f32 uniform in
@@ -25,5 +27,5 @@ def rejection_sample(p, q, draft, u, gumbel):
     # Where p and q agree to within rounding the residual can vanish; p is then its limit.
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
     # Gumbel-max on log weights samples the normalised weights; log(0) = -inf is never chosen.
-    resampled = jnp.argmax(jnp.log(residual) + gumbel, axis=-1)
+    resampled = first_argmax(jnp.log(residual) + gumbel)
     return jnp.where(accept, draft, resampled).astype(jnp.int32)

@@ -301,9 +301,21 @@ class ModelRunner:
                 self.kept_probs[(r.seq_id, r.position)] = probs[i]
 
     # ---- warm-up -------------------------------------------------------------------------
-    def warmup(self, max_workers: int | None = None) -> float:
-        """Compiles every key the scheduler can produce (`compilation.Executables.warmup`)."""
-        return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers)
+    def warmup(self, max_workers: int | None = None, run: bool = False) -> float:
+        """Compiles every key the scheduler can produce (`compilation.Executables.warmup`);
+        `run`: also runs each model call once (`run_placeholder`)."""
+        return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers,
+                                       self.run_placeholder if run else None)
+
+    def run_placeholder(self, key: tuple) -> None:
+        """Runs a model call's executable once on `StepLayout.placeholder_call`'s inputs, which
+        write only into the null blocks and attend to nothing, and waits for it. Sampling
+        executables are not run: their first run costs little (no library dots)."""
+        if key[0] not in ("decode", "prefill"):
+            return
+        out = self.executables.run(key, self.example_args(key))
+        self.pool = out[-1]
+        jax.block_until_ready(out)
 
 
 class DispatchedStep:

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxbatch.core.plan import SamplingRow
 from jaxbatch.sampling_params import MAX_LOGPROBS
+from jaxbatch.worker.argmax import first_argmax
 from jaxbatch.worker.rejection_sampler import rejection_sample
 from pallas_kernels.ordered_sum import ordered_log_softmax, ordered_softmax
 
@@ -150,16 +151,6 @@ def _distribution(processed, s: SamplingArrays):
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _argmax(x):
-    """[N, V] -> [N] int32: the first maximum, NaN counted as +inf (unlike jnp.argmax, a NaN
-    does not beat an earlier +inf), from two plain reductions: XLA:CPU runs jnp.argmax's
-    (value, index) reduction element by element, several times slower over a vocabulary."""
-    x = jnp.where(jnp.isnan(x), jnp.inf, x)
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    best = jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(x == best, ids, x.shape[-1]), axis=-1)
-
-
 def _gumbel(s: SamplingArrays, vocab: int):
     def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
@@ -169,14 +160,14 @@ def _gumbel(s: SamplingArrays, vocab: int):
 
 def _random_choice(processed, s: SamplingArrays):
     scaled = _distribution(processed, s)
-    return _argmax(scaled + _gumbel(s, scaled.shape[-1]))
+    return first_argmax(scaled + _gumbel(s, scaled.shape[-1]))
 
 
 def _random_choice_with_probs(processed, s: SamplingArrays):
     """A draft model's sampled proposals: the token, and the distribution q it was drawn from
     (Gumbel-max over `scaled` samples exactly softmax(scaled))."""
     scaled = _distribution(processed, s)
-    tokens = _argmax(scaled + _gumbel(s, scaled.shape[-1]))
+    tokens = first_argmax(scaled + _gumbel(s, scaled.shape[-1]))
     return tokens, ordered_softmax(scaled)
 
 
@@ -187,7 +178,7 @@ def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
     the draft's own noise (the draft samples under another seed)."""
     scaled = _distribution(processed, s)
     gumbel = _gumbel(s, scaled.shape[-1])
-    plain = _argmax(scaled + gumbel)
+    plain = first_argmax(scaled + gumbel)
 
     def uniform(seed, position):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), VERIFY_SALT)
@@ -231,7 +222,7 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.banned.shape)
     processed = processed.at[rows, jnp.where(s.banned >= 0, s.banned, 0)].min(
         jnp.where(s.banned >= 0, -jnp.inf, jnp.inf))
-    greedy = _argmax(processed)
+    greedy = first_argmax(processed)
     all_greedy = jnp.all(s.temperature == 0.0)
     extra = ()
     if all_greedy_choice is None:

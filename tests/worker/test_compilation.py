@@ -210,3 +210,40 @@ def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog
     assert runner.executables.store is None and runner.warmup_report["from_store"] == 0
     assert runner.num_compilations == len(runner.bucket_shapes())
     assert any("jax.export failed" in r.message for r in caplog.records)
+
+
+def test_warmup_runs_each_model_step_once_and_changes_no_output(tiny, monkeypatch):
+    """warmup_runs: every decode and prefill executable runs once before the first request
+    (XLA:CPU sets an executable's kernels up on its first run), on inputs that leave every
+    request's output as it is without the runs."""
+    from jaxbatch.worker.compilation import Executables
+    ran = []
+    real_run = Executables.run
+    monkeypatch.setattr(Executables, "run",
+                        lambda self, key, args: ran.append(key) or real_run(self, key, args))
+    settings = dict(max_num_seqs=4, max_model_len=128, prefill_chunk_size=32,
+                    compilation_cache=False)
+    engines = {}
+    for runs in (False, True):
+        ran.clear()
+        engines[runs] = LLMEngine(loaded=tiny, warmup_runs=runs, **settings)
+        model_keys = [k for k in engines[runs].runner.bucket_shapes()
+                      if k[0] in ("decode", "prefill")]
+        assert sorted(ran) == (sorted(model_keys) if runs else []), runs
+    assert engines[True].runner.warmup_report["run_s"] > 0
+    rng = np.random.default_rng(3)
+    prompts = random_token_prompts(rng, [5, 40, 17, 70, 9])
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    outputs = {}
+    for runs, engine in engines.items():
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids,
+                                            [sorted(lp.items()) for lp in out.outputs[0].logprobs])
+        outputs[runs] = done
+        assert engine.stats()["num_compilations_after_warmup"] == 0
+    assert outputs[True] == outputs[False]

@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.worker.sampler import _argmax
+from jaxbatch.worker.argmax import first_argmax
 
 
 def test_argmax_is_the_first_maximum_with_nan_as_inf():
@@ -14,7 +14,7 @@ def test_argmax_is_the_first_maximum_with_nan_as_inf():
     x[3, [5, 9]] = [np.inf, np.nan]              # NaN ties with +inf: the first of them
     x[4, -1] = 99.0                              # the last element
     expected = np.argmax(np.where(np.isnan(x), np.inf, x), axis=-1)
-    got = np.asarray(_argmax(jnp.asarray(x)))
+    got = np.asarray(first_argmax(jnp.asarray(x)))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(expected, [7, 0, 11, 5, 4098, expected[5]])
