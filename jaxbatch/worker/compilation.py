@@ -80,10 +80,10 @@ class Executables:
         XLA:CPU sets up each executable's kernels (its library dots above all) on the first
         run, not when compiling: without it the first requests wait for that, once per shape.
 
-        `warmup_report`: lower_s is this thread's time lowering, compile_s the rest of the
-        wall time (compiles hidden neither behind lowering nor behind runs), run_s this thread's time in
-        `run_once`, cpu_s the process CPU seconds of the whole warm-up, from_store the keys
-        whose lowering was read back, not traced.
+        `warmup_report`: lower_s is this thread's time lowering, run_s its time in
+        `run_once`, compile_s the rest of the wall time (compiles hidden behind neither),
+        cpu_s the process CPU seconds of the whole warm-up, from_store the keys whose
+        lowering was read back, not traced.
 
         Python's cyclic garbage collector is paused meanwhile: tracing allocates hundreds of
         thousands of objects, which made it run (and walk every live object) about 260 times
