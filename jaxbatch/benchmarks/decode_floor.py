@@ -73,9 +73,12 @@ def dense_decode(params, caches, tokens, positions, *, cfg, inv_freq, with_atten
     rope = rope_tables(positions, inv_freq)
     for layer, (k_cache, v_cache) in zip(params["layers"], caches):
         h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q = layers._dense(h, layer["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
-        k = layers._dense(h, layer["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
-        v = layers._dense(h, layer["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # Fused or not, as the engine holds them (model/fused.py); per-layer: index unused.
+        q, k, v = layers._projections(h, layer, "wqkv", (q_width, kv_width, kv_width), 0)
+        q = q.reshape(b, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
         if with_attention:

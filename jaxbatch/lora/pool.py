@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.lora.adapter import HF_TO_OURS, LoRAWeights
+from jaxbatch.model.fused import part_shapes
 from jaxbatch.model.precision import in_out_shape
 from jaxbatch.model.quantize import is_quantized
 
@@ -18,14 +19,15 @@ from jaxbatch.model.quantize import is_quantized
 def target_shapes(params: dict) -> dict[str, tuple[int, int]]:
     """(in, out) of each matrix an adapter may target that this model has as a plain layer
     matrix (a routed MoE's experts are not targets)."""
-    shapes = {}
+    layers = params["layers"]
+    shapes = part_shapes(layers)             # q, k, v, gate, up fused on CPU (model/fused.py)
     for ours in HF_TO_OURS.values():
-        w = params["layers"].get(ours)
+        w = layers.get(ours)
         if w is None:
             continue
         w = w[0] if isinstance(w, tuple) else w
         shapes[ours] = tuple(w["int8"].shape[-2:]) if is_quantized(w) else in_out_shape(w)
-    return shapes
+    return {ours: shapes[ours] for ours in HF_TO_OURS.values() if ours in shapes}
 
 
 def _write_slot(arrays, a, b, slot):

@@ -8,7 +8,8 @@ Params layout (a plain dict; weights stored [in, out] so `x @ w` reads naturally
                (wq [d, H*Dh], wk/wv [d, K*Dh], wo [H*Dh, d], w_gate/w_up [d, F], w_down [F, d],
                w_router [d, E]) either stacked too ([L, in, out]) or kept as a tuple of L
                arrays; expert stacks (we_gate/we_up [L, E, d, F], we_down [L, E, F, d]) are
-               always stacked. Key names: `model/weights.py`.
+               always stacked. Key names: `model/weights.py`. On CPU wq/wk/wv and
+               w_gate/w_up are fused, per layer, into wqkv and w_gate_up (`fused.py`).
     final_norm [d]
     lm_head    [d, V]   absent when embeddings are tied
 Checkpoint readers produce a list of per-layer dicts; `stack_layers` turns it into this form.
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model import precision
+from jaxbatch.model import fused, precision
 from jaxbatch.model.config import NO_WINDOW, ModelConfig
 from jaxbatch.model.layers import (AttendFn, _dense, attention_block, mlp_block, moe_block,
                                    rms_norm, unsharded)
@@ -67,14 +68,14 @@ def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
     as a tuple of L arrays; None: the platform's default (see the module doc). Vectors and
     expert stacks are always stacked. Numpy or jax arrays. A layers dict is kept as it is,
     except that `matrices_per_layer=False` stacks its per-layer matrices (in any
-    `precision.to_storage` form)."""
+    `precision.to_storage` form, fused ones split back into their parts)."""
     layers = params["layers"]
     if isinstance(layers, dict):
         if matrices_per_layer is False:
             return {**params, "layers": {name: _stack([w if is_quantized(w) else
                                                         precision.as_float(w) for w in value])
                                          if isinstance(value, tuple) else value
-                                         for name, value in layers.items()}}
+                                         for name, value in fused.unfuse(layers).items()}}
         return params
     if matrices_per_layer is None:
         matrices_per_layer = precision.matrices_per_layer_default()

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.fused import FUSED, split
 from jaxbatch.model.lora_delta import lora_delta
 from jaxbatch.model.quantize import int8_matmul, is_quantized
 from jaxbatch.model.rope import apply_rope
@@ -36,10 +37,24 @@ def _matmul(x, weight, index, lora=None):
     tuple of every layer's weight (per-layer layout, chosen by `index`); int8 or float.
     `lora`: (A [S, r, in], B [S, r, out], one_hot [T, S]) of this layer's adapter pool
     (jaxbatch/lora/), whose delta is added; None (no LoRA engine) traces exactly as before."""
-    out = _matmul_base(x, weight, index)
+    return _add_lora(_matmul_base(x, weight, index), x, lora)
+
+
+def _add_lora(out, x, lora):
     if lora is None:
         return out
     return (out.astype(jnp.float32) + lora_delta(x, *lora)).astype(out.dtype)
+
+
+def _projections(x, layer, fused_name: str, widths, index) -> list:
+    """x @ each part of `fused_name` (`fused.FUSED`): one dot and a split where the layer
+    holds the fused matrix (`widths`: its parts' out widths, or their count for equal
+    parts), else a dot per part; each part's LoRA delta is added to its own output."""
+    parts = FUSED[fused_name]
+    if fused_name not in layer:
+        return [_matmul(x, layer[p], index, layer.get(f"lora_{p}")) for p in parts]
+    outs = split(_matmul_base(x, layer[fused_name], index), widths)
+    return [_add_lora(out, x, layer.get(f"lora_{p}")) for p, out in zip(parts, outs)]
 
 
 def _matmul_base(x, weight, index):
@@ -83,9 +98,8 @@ def attention_block(layer, cfg: ModelConfig, x, rope, slot_mapping, pool, index,
     """`rope`: this layer's (cos, sin) [T, R] (`rope.rope_tables`); `window`: its int32
     scalar from the scan, or None for models without one."""
     num_tokens = x.shape[0]
-    q = _matmul(x, layer["wq"], index, layer.get("lora_wq"))
-    k = _matmul(x, layer["wk"], index, layer.get("lora_wk"))
-    v = _matmul(x, layer["wv"], index, layer.get("lora_wv"))
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = _projections(x, layer, "wqkv", (q_width, kv_width, kv_width), index)
     if cfg.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)                    # [T, H, Dh]
@@ -119,8 +133,7 @@ def attention_block(layer, cfg: ModelConfig, x, rope, slot_mapping, pool, index,
 
 
 def mlp_block(layer, cfg: ModelConfig, x, index):
-    gate = _matmul(x, layer["w_gate"], index, layer.get("lora_w_gate"))
-    up = _matmul(x, layer["w_up"], index, layer.get("lora_w_up"))
+    gate, up = _projections(x, layer, "w_gate_up", 2, index)
     return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index,
                    layer.get("lora_w_down"))
 

@@ -79,7 +79,8 @@ def to_storage(params: dict, platform: str | None = None) -> dict:
     Per-layer float matrices (a tuple of L [in, out] arrays) are stored transposed,
     {OUT_IN: [out, in]} (`out_in`): the operand layout of XNNPACK's fully-connected kernels,
     which XLA:CPU's dot fusions call, so a small-batch dot reads the weight where it lies
-    instead of repacking it on every call (docs/BENCHMARKS.md, 2026-12-03).
+    instead of repacking it on every call (docs/BENCHMARKS.md, 2026-12-03). `fused.py`
+    then fuses q, k, v and gate, up.
 
     Numpy arrays are viewed or transposed on the host, device arrays once here. Idempotent;
     anything else (vectors, int8 matrices, expert stacks) passes unchanged."""

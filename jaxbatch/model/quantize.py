@@ -27,6 +27,7 @@ from pallas_kernels.int8 import quantize_int8
 
 QUANTIZATIONS = (None, "int8")
 QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                      "wqkv", "w_gate_up",               # fused on CPU (model/fused.py)
                       "we_gate", "we_up", "we_down")     # the last three: MoE experts
 
 
@@ -74,7 +75,7 @@ def quantize_params(params: dict) -> dict:
 def params_are_quantized(params: dict) -> bool:
     layers = params["layers"]
     layer = layers[0] if isinstance(layers, list) else layers
-    weight = layer["wq"]
+    weight = layer["wo"]                            # never fused (model/fused.py)
     return is_quantized(weight[0] if isinstance(weight, tuple) else weight)
 
 

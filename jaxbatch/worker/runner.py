@@ -28,7 +28,7 @@ import numpy as np
 from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
 from jaxbatch.worker.compilation import Executables
 from jaxbatch.core.config import SchedulerConfig
-from jaxbatch.model import llama, precision
+from jaxbatch.model import fused, llama, precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
@@ -92,7 +92,8 @@ class ModelRunner:
         # XLA:CPU's storage form (model/precision.py); tensor parallelism splits stacked
         # [L, in, out] matrices, and keeps every collective in the one scanned layer body.
         per_layer = False if tensor_parallel is not None else None   # None: the platform's
-        params = precision.to_storage(llama.stack_layers(params, matrices_per_layer=per_layer))
+        params = fused.fuse_params(precision.to_storage(
+            llama.stack_layers(params, matrices_per_layer=per_layer)))
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)

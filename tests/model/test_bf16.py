@@ -110,7 +110,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
         bad = sorted({(n, s) for n, (t, s) in _shapes(text, materialized_only=True).items()
                       if (t == "f32" and (s in weights or s == pool)) or (t == "bf16" and s == pool)})
         assert not bad, (key, bad[:5])
-        if isinstance(runner.params["layers"]["wq"], tuple):
+        if isinstance(runner.params["layers"]["wo"], tuple):
             # Per layer, each dot reads its weight where it lies: no bf16 copy of any matrix
             # (the stacked layout copies every slice out of its stack: model/decoder.py).
             opcodes = dict(_OPCODE.findall(text))
