@@ -104,15 +104,16 @@ def main(argv=None):
     rows = []
     for mode, r in results.items():
         w = r["warmup"]
-        # Per executable: CPU seconds of the warm-up (lowering and compiling, every thread).
+        # Per executable: CPU seconds of the warm-up (lowering, compiling and the first runs
+        # of `warmup_runs`, every thread).
         per = r["warmup_cpu_s"] / max(1, w["compiled"])
         rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
                      f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
                      w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
-                     f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
+                     f"{w.get('run_s', 0.0):.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
     md = table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
-                "executables", "from store", "lower s", "compile s", "CPU s per executable",
-                "load average"], rows)
+                "executables", "from store", "lower s", "compile s", "first runs s",
+                "CPU s per executable", "load average"], rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "startup.json").write_text(json.dumps(
         {"settings": kwargs, "cpu_count": os.cpu_count(), "results": results}, indent=1))
