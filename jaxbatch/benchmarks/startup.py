@@ -40,7 +40,7 @@ workers = kwargs.pop("warmup_workers", None)
 llm = LLM(warmup=False, **kwargs)
 engine = llm.llm_engine
 ready_load, cpu_load = time.perf_counter(), time.process_time()
-engine.runner.warmup(max_workers=workers)
+engine.runner.warmup(max_workers=workers, run=engine.options.runtime.warmup_runs)
 ready, cpu_ready = time.perf_counter(), time.process_time()
 llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 first = time.perf_counter()

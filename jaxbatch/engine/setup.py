@@ -106,7 +106,8 @@ def speculative_planner(spec: SpeculativeConfig | None, config: EngineConfig,
         proposer = DraftModelProposer(
             spec.model, engine_class, target_vocab_size=vocab_size,
             max_num_seqs=spec.max_batch_size, max_model_len=sched.max_model_len,
-            dtype=config.model.dtype, warmup=rt.warmup, compilation_cache=rt.compilation_cache,
+            dtype=config.model.dtype, warmup=rt.warmup, warmup_runs=rt.warmup_runs,
+            compilation_cache=rt.compilation_cache,
             attention_backend=rt.attention_backend, draft_sampling=spec.draft_sampling)
     return SpeculativePlanner(spec, proposer)
 

@@ -36,6 +36,9 @@ class LoRARunner(ModelRunner):
         keys = super().bucket_shapes()
         return keys + [(k[0] + LORA,) + k[1:] for k in keys if k[0] in MODEL_KINDS]
 
+    def is_model_call(self, key: tuple) -> bool:
+        return key[0].removesuffix(LORA) in MODEL_KINDS
+
     def example_args(self, key: tuple):
         if key[0].endswith(LORA):
             return super().example_args((key[0][:-len(LORA)],) + key[1:])

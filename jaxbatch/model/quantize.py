@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxbatch.model import precision
+from jaxbatch.model import fused, precision
 from pallas_kernels.int8 import quantize_int8
 
 QUANTIZATIONS = (None, "int8")
 QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
-                      "wqkv", "w_gate_up",               # fused on CPU (model/fused.py)
                       "we_gate", "we_up", "we_down")     # the last three: MoE experts
 
 
@@ -61,14 +60,15 @@ def _quantize_entry(weight):
 def quantize_params(params: dict) -> dict:
     """A new params dict with the layer matrices int8 (idempotent: quantized ones are kept).
     Accepts the loader's list of per-layer dicts and the stacked layers dict alike; numpy
-    arrays stay numpy (host-side quantization before the device copy)."""
+    arrays stay numpy (host-side quantization before the device copy). int8 matrices are
+    never fused: fused ones (`fused.py`) are split back first."""
     layers = params["layers"]
     if isinstance(layers, list):
         layers = [{name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
                    for name, w in layer.items()} for layer in layers]
-    else:
+    else:                                   # fused float matrices (CPU) quantize as parts
         layers = {name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
-                  for name, w in layers.items()}
+                  for name, w in fused.unfuse(layers).items()}
     return {**params, "layers": layers}
 
 

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class DraftModelProposer:
     def __init__(self, model: str | LoadedModel, engine_class, *, target_vocab_size: int,
                  max_num_seqs: int, max_model_len: int, dtype: str, warmup: bool,
-                 compilation_cache: bool, attention_backend: str = "auto",
+                 compilation_cache: bool, warmup_runs: bool = True, attention_backend: str = "auto",
                  draft_sampling: str = "greedy"):
         """`engine_class`: the draft is an engine itself (the engine passes its own class, so
         this room never imports the engine's)."""
@@ -45,7 +45,7 @@ class DraftModelProposer:
         self.max_len = min(max_model_len, loaded.config.max_position_embeddings)
         self.engine = engine_class(
             loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
-            prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=False,
+            prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=False, warmup_runs=warmup_runs,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
             enable_prefix_caching=True, async_scheduling=False)   # proposals wanted now
         self.sampled = draft_sampling == "sampled"

@@ -70,7 +70,7 @@ class Executables:
     def warmup(self, keys: list[tuple], example_args: Callable[[tuple], tuple],
                max_workers: int | None = None,
                run_once: Callable[[tuple], None] | None = None) -> float:
-        """Makes every key executable without running any: lowered one by one on this thread
+        """Makes every key executable: lowered one by one on this thread
         (tracing holds the GIL; a stored lowering is read instead), each compiled on a thread
         per core as soon as it is lowered (XLA compiles with the GIL released; with the
         persistent cache on, a compile is a cache read).

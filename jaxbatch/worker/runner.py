@@ -308,11 +308,15 @@ class ModelRunner:
         return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers,
                                        self.run_placeholder if run else None)
 
+    def is_model_call(self, key: tuple) -> bool:
+        return key[0] in ("decode", "prefill")
+
     def run_placeholder(self, key: tuple) -> None:
         """Runs a model call's executable once on `StepLayout.placeholder_call`'s inputs, which
-        write only into the null blocks and attend to nothing, and waits for it. Sampling
-        executables are not run: their first run costs little (no library dots)."""
-        if key[0] not in ("decode", "prefill"):
+        write only into the null blocks and attend to nothing, and waits for it. The sampling
+        and prompt-logprob executables are not run: at most one library dot each (the LM
+        head's), their first run costs little."""
+        if not self.is_model_call(key):
             return
         out = self.executables.run(key, self.example_args(key))
         self.pool = out[-1]

@@ -165,7 +165,6 @@ def test_int8_weights_in_the_per_layer_layout_give_the_stacked_tokens(monkeypatc
 
 def test_loader_quantizes_from_float32_and_caches_the_int8_params(tmp_path, monkeypatch):
     import jax
-    from jaxbatch.model.fused import unfuse
     from jaxbatch.model.loader import load_model
     from jaxbatch.model.quantize import quantize_params
     monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
@@ -177,9 +176,7 @@ def test_loader_quantizes_from_float32_and_caches_the_int8_params(tmp_path, monk
     assert len(list((tmp_path / "cache").glob("*-int8"))) == 1
     full = load_model(str(path), "float32")                   # the float32 cache, hit
     assert full.from_cache and not params_are_quantized(full.params)
-    # The float32 params hold q/k/v and gate/up fused on CPU; the int8 ones never do.
-    want = quantize_params(jax.tree.map(np.asarray, {**full.params,
-                                                     "layers": unfuse(full.params["layers"])}))
+    want = quantize_params(jax.tree.map(np.asarray, full.params))
 
     def stacked(w):           # {"int8": [L, in, out], "scale": [L, out]}, stacked or per layer
         if isinstance(w, tuple):

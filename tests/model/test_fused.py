@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxbatch.lora.pool import target_shapes
 from jaxbatch.model import fused, llama, precision
+from jaxbatch.model.quantize import is_quantized, quantize_params
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.worker import kv_cache
 from jaxbatch.worker.attention import get_backend
@@ -71,3 +72,14 @@ def test_the_forward_is_the_same_with_fused_and_separate_projections():
         return llama.compute_logits(p, hidden)
     np.testing.assert_allclose(np.asarray(logits(fused_params, meta)),
                                np.asarray(logits(stored, meta)), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_quantizes_the_parts_of_fused_matrices():
+    """A float model loaded on CPU holds fused matrices; quantizing it (an engine's
+    quantization="int8" on such a `loaded`) gives int8 parts, never a fused int8 matrix."""
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=5))
+    stored = fused.fuse_params(_stored(params))
+    q = quantize_params(stored)["layers"]
+    assert not set(fused.FUSED) & set(q)
+    assert all(is_quantized(q[p][0]) for parts in fused.FUSED.values() for p in parts)
+    assert target_shapes({"layers": q}) == target_shapes(stored)

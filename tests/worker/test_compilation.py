@@ -247,3 +247,16 @@ def test_warmup_runs_each_model_step_once_and_changes_no_output(tiny, monkeypatc
         outputs[runs] = done
         assert engine.stats()["num_compilations_after_warmup"] == 0
     assert outputs[True] == outputs[False]
+
+
+def test_warmup_runs_the_lora_twins_too(tiny, monkeypatch):
+    from jaxbatch.worker.compilation import Executables
+    ran = []
+    real_run = Executables.run
+    monkeypatch.setattr(Executables, "run",
+                        lambda self, key, args: ran.append(key) or real_run(self, key, args))
+    engine = LLMEngine(loaded=tiny, enable_lora=True, max_loras=1, max_lora_rank=4,
+                       max_num_seqs=4, max_model_len=64, compilation_cache=False)
+    model_keys = [k for k in engine.runner.bucket_shapes() if k[0].startswith(("decode", "prefill"))]
+    assert any(k[0] == "decode_lora" for k in model_keys)
+    assert sorted(ran) == sorted(model_keys)
