@@ -11,6 +11,7 @@ import pytest
 from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.model.loader import LoadedModel
+from engines import run_all
 from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
 
 SOAK_SEED = 20261129
@@ -236,15 +237,9 @@ def test_warmup_runs_each_model_step_once_and_changes_no_output(tiny, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     outputs = {}
     for runs, engine in engines.items():
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = (out.outputs[0].token_ids,
-                                            [sorted(lp.items()) for lp in out.outputs[0].logprobs])
-        outputs[runs] = done
+        outputs[runs] = [(out.outputs[0].token_ids, [sorted(lp.items()) for lp in
+                                                     out.outputs[0].logprobs])
+                         for out in run_all(engine, prompts, [params] * len(prompts))]
         assert engine.stats()["num_compilations_after_warmup"] == 0
     assert outputs[True] == outputs[False]
 
