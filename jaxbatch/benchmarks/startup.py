@@ -110,7 +110,7 @@ def main(argv=None):
         rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
                      f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
                      w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
-                     f"{w.get('run_s', 0.0):.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
+                     f"{w['run_s']:.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
     md = table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
                 "executables", "from store", "lower s", "compile s", "first runs s",
                 "CPU s per executable", "load average"], rows)

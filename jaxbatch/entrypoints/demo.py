@@ -75,7 +75,7 @@ def main() -> None:
     # compiler or an executable's first-run setup.
     report = engine.runner.warmup_report
     print(f"warm-up: {report['executables']} executables in {engine.warmup_seconds:.1f} s "
-          f"(tracing {report['lower_s']:.1f} s, first runs {report.get('run_s', 0.0):.1f} s, "
+          f"(tracing {report['lower_s']:.1f} s, first runs {report['run_s']:.1f} s, "
           f"compiling or reading the cache besides {report['compile_s']:.1f} s)")
     results = {"continuous": run(llm, conversations, params)}
     results["static"] = run(static, conversations, params)

@@ -302,9 +302,10 @@ class ModelRunner:
                 self.kept_probs[(r.seq_id, r.position)] = probs[i]
 
     # ---- warm-up -------------------------------------------------------------------------
-    def warmup(self, max_workers: int | None = None, run: bool = False) -> float:
+    def warmup(self, max_workers: int | None = None, *, run: bool) -> float:
         """Compiles every key the scheduler can produce (`compilation.Executables.warmup`);
-        `run`: also runs each model call once (`run_placeholder`)."""
+        `run`: also runs each model call once (`run_placeholder`; the engine passes its
+        `warmup_runs` option)."""
         return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers,
                                        self.run_placeholder if run else None)
 

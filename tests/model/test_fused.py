@@ -26,7 +26,8 @@ def test_fused_matrices_hold_their_parts_and_split_back():
     cfg, params = ours_from_hf(make_hf_model("llama_gqa4_bias", seed=3))   # 4 q heads, 1 kv head
     stored = _stored(params)
     layers = fused.fuse(stored["layers"])
-    assert {"wqkv", "w_gate_up"} <= set(layers) and not {"wq", "wk", "wv", "w_gate", "w_up"} & set(layers)
+    assert {"wqkv", "w_gate_up"} <= set(layers)
+    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(layers)
     assert fused.fuse(layers) == layers                                       # idempotent
     q, kv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
     assert fused.part_widths(layers, "wqkv") == (q, kv, kv)

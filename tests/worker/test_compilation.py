@@ -207,7 +207,7 @@ def test_a_step_that_cannot_be_exported_is_lowered_by_jit(tiny, tmp_path, caplog
         raise ValueError("cannot export this")
     runner.executables.store.lower = refuse
     with caplog.at_level(logging.WARNING, logger="jaxbatch.worker.runner"):
-        runner.warmup()
+        runner.warmup(run=False)
     assert runner.executables.store is None and runner.warmup_report["from_store"] == 0
     assert runner.num_compilations == len(runner.bucket_shapes())
     assert any("jax.export failed" in r.message for r in caplog.records)
@@ -252,6 +252,7 @@ def test_warmup_runs_the_lora_twins_too(tiny, monkeypatch):
                         lambda self, key, args: ran.append(key) or real_run(self, key, args))
     engine = LLMEngine(loaded=tiny, enable_lora=True, max_loras=1, max_lora_rank=4,
                        max_num_seqs=4, max_model_len=64, compilation_cache=False)
-    model_keys = [k for k in engine.runner.bucket_shapes() if k[0].startswith(("decode", "prefill"))]
+    model_keys = [k for k in engine.runner.bucket_shapes()
+                  if k[0].startswith(("decode", "prefill"))]
     assert any(k[0] == "decode_lora" for k in model_keys)
     assert sorted(ran) == sorted(model_keys)
