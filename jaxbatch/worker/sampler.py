@@ -55,6 +55,7 @@ class SamplingArrays:
     num_prompt: jax.Array       # [N] i32
     any_penalties: jax.Array    # [] bool: some row has a penalty (and its history filled)
     any_logprobs: jax.Array     # [] bool: some row wants top-k logprobs
+    any_token_logprob: jax.Array  # [] bool: some row wants its token's logprob (logprobs set)
     bitmask: jax.Array          # [N, ceil(V/32)] i32 packed allowed tokens (bit v%32 of word v//32)
     any_bitmask: jax.Array      # [] bool: some row follows a grammar (its bitmask row filled)
 
@@ -101,6 +102,7 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
         num_prompt=np.array([r.num_prompt_tokens if r else 0 for r in rows], np.int32),
         any_penalties=np.bool_(any_penalties),
         any_logprobs=np.bool_(any(r is not None and r.logprobs for r in rows)),
+        any_token_logprob=np.bool_(any(r is not None and r.logprobs is not None for r in rows)),
         bitmask=bitmask, any_bitmask=np.bool_(any_bitmask))
 
 
@@ -191,8 +193,8 @@ def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
 
 def sample(logits, s: SamplingArrays):
     """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]),
-    K = MAX_LOGPROBS; the top-k is computed only when some row asks (a top-k over the
-    vocabulary is a visible part of a CPU decode step), zeros otherwise.
+    K = MAX_LOGPROBS; logprobs are computed only when some row asks (`logprobs` set: its
+    token's; above 0: the top-k too), zeros otherwise.
 
     Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
     return _sample(logits, s, _random_choice)
@@ -214,14 +216,14 @@ def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs):
 
 def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     """`random_choice(processed, s)` -> tokens, or (tokens, extra) with `all_greedy_choice`
-    giving the same structure when every row is greedy; extra is appended to the outputs."""
-    raw_logprobs = ordered_log_softmax(logits)
+    giving the same structure when every row is greedy; extra is appended to the outputs.
+    What only some requests ask for (penalties, a grammar, tokens held back by min_tokens,
+    logprobs) is a runtime branch a step without such a row skips: the log-softmax over the
+    vocabulary and the banned tokens' scatter are each a visible part of a CPU decode step."""
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
-    n = logits.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(n)[:, None], s.banned.shape)
-    processed = processed.at[rows, jnp.where(s.banned >= 0, s.banned, 0)].min(
-        jnp.where(s.banned >= 0, -jnp.inf, jnp.inf))
+    processed = jax.lax.cond(jnp.any(s.banned >= 0), _hold_back, lambda x, b: x,
+                             processed, s.banned)
     greedy = first_argmax(processed)
     all_greedy = jnp.all(s.temperature == 0.0)
     extra = ()
@@ -231,10 +233,28 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
         sampled, probs = jax.lax.cond(all_greedy, all_greedy_choice, random_choice, processed, s)
         extra = (probs,)
     tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
-    token_logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_ids, top_logprobs = jax.lax.cond(s.any_logprobs, _top_logprobs, _no_top_logprobs,
-                                         raw_logprobs)
-    return (tokens, token_logprob, top_ids, top_logprobs) + extra
+    logprobs = jax.lax.cond(s.any_token_logprob, _logprobs, _no_logprobs,
+                            logits, tokens, s.any_logprobs)
+    return (tokens,) + logprobs + extra
+
+
+def _hold_back(processed, banned):
+    """-inf at each row's banned ids [N, MAX_BANNED] (-1: none)."""
+    rows = jnp.broadcast_to(jnp.arange(processed.shape[0])[:, None], banned.shape)
+    return processed.at[rows, jnp.where(banned >= 0, banned, 0)].min(
+        jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+
+
+def _logprobs(logits, tokens, any_top):
+    """(logprob of each row's token [N], top ids [N, K], top logprobs [N, K]) of the model's
+    raw distribution; the top-k only when some row asks (zeros otherwise)."""
+    raw = ordered_log_softmax(logits)
+    token_logprob = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return (token_logprob,) + jax.lax.cond(any_top, _top_logprobs, _no_top_logprobs, raw)
+
+
+def _no_logprobs(logits, tokens, any_top):
+    return (jnp.zeros(logits.shape[0], jnp.float32),) + _no_top_logprobs(logits)
 
 
 def _top_logprobs(raw):

@@ -18,3 +18,46 @@ def test_argmax_is_the_first_maximum_with_nan_as_inf():
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(expected, [7, 0, 11, 5, 4098, expected[5]])
+
+
+def _row(seq_id, logprobs=None, banned=()):
+    from jaxbatch.core.plan import SamplingRow
+    return SamplingRow(seq_id=seq_id, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                       presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                       seed=seq_id, position=7, num_prompt_tokens=3, history=[],
+                       banned_token_ids=list(banned), logprobs=logprobs)
+
+
+def test_logprobs_and_held_back_tokens_reach_exactly_the_rows_that_ask():
+    """Logprobs and min_tokens' held-back ids are branches a step without such a row skips:
+    the rows that ask get them, the others' tokens are unchanged."""
+    import jax
+
+    from jaxbatch.sampling_params import MAX_LOGPROBS
+    from jaxbatch.worker.sampler import build_sampling_arrays, sample
+
+    rng = np.random.default_rng(1)
+    vocab = 1000
+    logits = rng.standard_normal((4, vocab)).astype(np.float32) * 3
+    greedy = np.argmax(logits, axis=-1)
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    run = jax.jit(sample)
+
+    def sample_rows(rows):
+        arrays = build_sampling_arrays(rows, 16, vocab_size=vocab)
+        return [np.asarray(a) for a in run(jnp.asarray(logits), jax.tree.map(jnp.asarray, arrays))]
+
+    tokens, _, _, _ = sample_rows([_row(i) for i in range(4)])
+    np.testing.assert_array_equal(tokens, greedy)
+
+    # Row 1 wants its token's logprob only, row 2 the top 3 too, row 3 holds back its argmax.
+    tokens, token_lp, top_ids, top_lp = sample_rows(
+        [_row(0), _row(1, logprobs=0), _row(2, logprobs=3), _row(3, banned=[greedy[3]])])
+    np.testing.assert_array_equal(tokens[:3], greedy[:3])
+    assert tokens[3] != greedy[3]
+    assert tokens[3] == np.argsort(-logits[3])[1]
+    for i in (1, 2):
+        np.testing.assert_allclose(token_lp[i], raw[i, tokens[i]], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-raw[2])[:MAX_LOGPROBS]
+    np.testing.assert_array_equal(top_ids[2], order)
+    np.testing.assert_allclose(top_lp[2], raw[2, order], rtol=1e-5, atol=1e-5)
