@@ -132,8 +132,8 @@ def _normalise(l, acc):
 # instead gathers [idx, KVH, ...] slabs that XLA:CPU then transposes, element by element.
 
 def _key_dtype(pages):
-    """What q.K is computed in: bf16 x bf16 with float32 accumulation for a bf16 pool (its
-    uint16 bits on CPU), float32 for float32 and int8 pools."""
+    """What q.K (and prefill's p.V) is computed in: bf16 x bf16 with float32 accumulation for
+    a bf16 pool (its uint16 bits on CPU), float32 for float32 and int8 pools."""
     return jnp.bfloat16 if pages.dtype in (BF16_BITS, jnp.bfloat16) else jnp.float32
 
 
@@ -262,7 +262,10 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
     each tile belongs to. Causal: a query attends to keys at positions <= its own.
     Loops over the call's context in blocks of `prefill_pages_per_block(block_size)` pages,
     up to the largest query position. A (kv head, tile) pair is one dot of its tile * G query
-    rows against the block's keys."""
+    rows against the block's keys. Scores, softmax and its sums are float32; with a bf16 pool
+    both dots are bf16 x bf16 -> f32 (the probabilities rounded to bf16 for p.V, as
+    FlashAttention does), faster than a float32 p.V on this CPU; decode's much smaller p.V
+    dots (G rows each) were slower in bf16, so decode keeps float32 (docs/BENCHMARKS.md)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     num_tiles = tile_pages.shape[0]
@@ -296,8 +299,8 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
             mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
         mask = mask[None]
         k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, N, span, D]
-        v = pages_as_float(_gather_pages(v_pages, pages))
-        v = jnp.where(key_used[None, :, :, None], v, 0.0)
+        v = pages_as_float(_gather_pages(v_pages, pages), key_dtype)
+        v = jnp.where(key_used[None, :, :, None], v, jnp.zeros((), key_dtype))
         scores = _batched_dot(qt, k, 3, _precision(key_dtype)) * scale           # [K, N, tq*G, span]
         if k_scales is not None:
             scores = scores * _scales_of(_gather_pages(k_scales, pages), key_used)
@@ -311,7 +314,8 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
             weights = probs
             if v_scales is not None:
                 weights = probs * _scales_of(_gather_pages(v_scales, pages), key_used)
-            return jnp.sum(probs, axis=-1), _batched_dot(weights, v, 2, _HIGHEST)
+            return jnp.sum(probs, axis=-1), _batched_dot(weights.astype(key_dtype), v, 2,
+                                                         _precision(key_dtype))
 
         return _online_softmax_update(carry, jnp.max(scores, axis=-1), probs_of, combine)
 
