@@ -118,7 +118,8 @@ def offline_worker(spec_path: str) -> None:
 
 
 def parse_flag_kwargs(argstr: str) -> dict:
-    """'--max-model-len 1024 --enable-x' -> {'max_model_len': 1024, 'enable_x': True}."""
+    """'--max-model-len 1024 --enable-x --no-enable-y' -> {'max_model_len': 1024,
+    'enable_x': True, 'enable_y': False} (the serve CLI's boolean options take `--no-`)."""
     out, toks = {}, shlex.split(argstr)
     i = 0
     while i < len(toks):
@@ -132,6 +133,8 @@ def parse_flag_kwargs(argstr: str) -> dict:
                 except ValueError:
                     pass
             out[key], i = val, i + 2
+        elif key.startswith("no_"):
+            out[key[3:]], i = False, i + 1
         else:
             out[key], i = True, i + 1
     return out
@@ -144,8 +147,6 @@ def run_offline_baseline(args, workload, out_dir: Path) -> dict:
     if args.jaxbatch_model:
         kwargs["model"] = args.jaxbatch_model
     kwargs.update(parse_flag_kwargs(args.serve_args))
-    if kwargs.pop("no_warmup", False):
-        kwargs["warmup"] = False
     for k in ("host", "port", "served_model_name", "api_key", "shutdown_timeout",
               "max_num_queued_reqs", "log_level"):
         kwargs.pop(k, None)

@@ -286,5 +286,7 @@ def test_workload_is_fixed_across_rates():
     assert bench_serve.arrival_offsets(a, math.inf) == [0.0] * len(a)
     slow, fast = bench_serve.arrival_offsets(a, 1.0), bench_serve.arrival_offsets(a, 4.0)
     assert fast == pytest.approx([x / 4 for x in slow])
-    assert bench_serve.parse_flag_kwargs("--max-model-len 1024 --x-y 0.5 --flag") == \
-        {"max_model_len": 1024, "x_y": 0.5, "flag": True}
+    assert bench_serve.parse_flag_kwargs(
+        "--max-model-len 1024 --x-y 0.5 --flag --no-enable-prefix-caching --no-warmup") == \
+        {"max_model_len": 1024, "x_y": 0.5, "flag": True, "enable_prefix_caching": False,
+         "warmup": False}

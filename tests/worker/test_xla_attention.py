@@ -9,6 +9,7 @@ value that reaches arithmetic shows up as a non-finite output.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,18 @@ def test_prefill_tiles_match_reference(seed, num_heads, num_kv_heads, head_dim, 
         _check(out[base:base + n], ref[row:row + n], dtype, seed, f" chunk {i}")
         used[base:base + n] = True
     assert (out_np[~used] == 0).all(), f"seed={seed}: padding rows must be exactly zero"
+
+
+def test_prefill_dots_read_a_bf16_pool_as_bf16():
+    """Both prefill dots (q.K and p.V, its probabilities rounded to bf16) take a bf16 pool's
+    pages as bf16 and accumulate in f32: p.V over pages converted to float32 was slower on
+    this CPU (docs/BENCHMARKS.md). A float32 pool keeps float32 dots."""
+    for dtype, operand in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32")):
+        xla_args, _, _ = _prefill_case(54, 9, 3, 128, 16, dtype, [(5, 27)], 0)
+        text = jax.jit(tiled_prefill_attention_xla).lower(*xla_args).as_text()
+        dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<\S+x(\w+)>, tensor<\S+x(\w+)>\)"
+                          r" -> tensor<\S+x(\w+)>", text)
+        assert dots == [(operand, operand, "f32")] * 2, (dtype, dots)
 
 
 def test_prefill_custom_scale():
