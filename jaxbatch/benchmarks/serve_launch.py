@@ -142,14 +142,18 @@ def parse_flag_kwargs(argstr: str) -> dict:
 
 def run_offline_baseline(args, workload, out_dir: Path) -> dict:
     # The engine settings `jaxbatch serve` would use: its defaults (warm-up on), the same slots
-    # and --serve-args; server-only flags dropped.
+    # and --serve-args' engine options; its server-only flags (host, API key, tool parser,
+    # adapters to preload, ...) are no LLM() arguments, and are named, not passed.
+    from jaxbatch.engine.config import OPTIONS
     kwargs = {"max_num_seqs": args.max_num_seqs, "warmup": True}
     if args.jaxbatch_model:
         kwargs["model"] = args.jaxbatch_model
-    kwargs.update(parse_flag_kwargs(args.serve_args))
-    for k in ("host", "port", "served_model_name", "api_key", "shutdown_timeout",
-              "max_num_queued_reqs", "log_level"):
-        kwargs.pop(k, None)
+    flags = parse_flag_kwargs(args.serve_args)
+    kwargs.update({k: v for k, v in flags.items() if k in OPTIONS})
+    server_only = sorted(set(flags) - set(OPTIONS))
+    if server_only:
+        print(f"[offline] server-only flags, not LLM() options: {', '.join(server_only)}",
+              flush=True)
     spec = {"llm_kwargs": kwargs, "texts": [r.text for r in workload],
             "max_tokens": [r.max_tokens for r in workload], "timed_passes": args.offline_passes,
             "out": str(out_dir / "offline_baseline.json")}

@@ -290,3 +290,25 @@ def test_workload_is_fixed_across_rates():
         "--max-model-len 1024 --x-y 0.5 --flag --no-enable-prefix-caching --no-warmup") == \
         {"max_model_len": 1024, "x_y": 0.5, "flag": True, "enable_prefix_caching": False,
          "warmup": False}
+
+
+def test_offline_baseline_gets_the_servers_engine_options_and_none_of_its_server_flags(
+        tmp_path, monkeypatch):
+    """--serve-args hold both engine options (which the offline LLM() must share with the
+    server, `--no-X` included) and server-only flags (which LLM() would refuse)."""
+    specs = []
+
+    def fake_run(cmd, check, cwd):
+        spec = json.loads(open(cmd[-1]).read())
+        specs.append(spec)
+        with open(spec["out"], "w") as f:
+            json.dump({"output_tokens_per_s": 1.0}, f)
+
+    monkeypatch.setattr(serve_launch.subprocess, "run", fake_run)
+    args = types.SimpleNamespace(
+        max_num_seqs=8, jaxbatch_model=None, offline_passes=1, jaxbatch_python="python",
+        serve_args="--max-model-len 1024 --dtype bfloat16 --no-enable-prefix-caching "
+                   "--api-key k --port 9 --tool-call-parser hermes --log-level warning")
+    assert serve_launch.run_offline_baseline(args, [], tmp_path) == {"output_tokens_per_s": 1.0}
+    assert specs[0]["llm_kwargs"] == {"max_num_seqs": 8, "warmup": True, "max_model_len": 1024,
+                                      "dtype": "bfloat16", "enable_prefix_caching": False}
