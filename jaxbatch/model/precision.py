@@ -10,8 +10,8 @@
                   converted every step), 3x slower than either
     activations   the model dtype between matmuls (as Hugging Face's bf16 forward); norms,
                   RoPE, softmax and attention scores in float32 (model/llama.py, the kernels);
-                  a bf16 pool's attention dots are bf16 x bf16 -> f32: q.K, and on CPU
-                  prefill's p.V with its probabilities rounded to bf16
+                  a bf16 pool's attention dots are bf16 x bf16 -> f32: q.K and p.V in the
+                  Pallas kernels; on CPU (xla backend) q.K, and p.V in prefill only
     logits        float32, straight out of the f32 accumulator (never rounded to bf16)
     KV pages      the model dtype; on CPU a bf16 pool is stored as its raw 16-bit patterns
                   (`kv_pool_dtype`): XLA:CPU has no bf16 scatter/gather and wraps each one in

@@ -5,10 +5,10 @@ cumulative sum is still `jnp.cumsum`).
 Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
 sequence draws the same noise alone or in any batch, and again after a preemption.
 
-Penalties and top-k logprobs are runtime branches (`lax.cond` on a flag computed by the host),
-not compile-time variants: one executable per shape serves every request, so nothing compiles
-mid-serving when the first request asking for them arrives, and a step where no row asks pays
-nothing for them.
+Penalties, logprobs (the log-softmax over the vocabulary; top-k on top) and min_tokens'
+held-back ids are runtime branches (`lax.cond` on a flag), not compile-time variants: one
+executable per shape serves every request, so nothing compiles mid-serving when the first
+request asking for them arrives, and a step where no row asks pays nothing for them.
 
 A grammar's packed bitmask (structured outputs, jaxbatch/structured/) is a runtime input of the
 same kind: `any_bitmask` false on steps without grammar rows, whose all-ones mask stays on

@@ -47,8 +47,14 @@ def test_logprobs_and_held_back_tokens_reach_exactly_the_rows_that_ask():
         arrays = build_sampling_arrays(rows, 16, vocab_size=vocab)
         return [np.asarray(a) for a in run(jnp.asarray(logits), jax.tree.map(jnp.asarray, arrays))]
 
-    tokens, _, _, _ = sample_rows([_row(i) for i in range(4)])
+    tokens, token_lp, top_ids, top_lp = sample_rows([_row(i) for i in range(4)])
     np.testing.assert_array_equal(tokens, greedy)
+    assert not token_lp.any() and not top_ids.any() and not top_lp.any()   # nobody asked
+
+    # logprobs=0 alone: the token's logprob, no top-k.
+    tokens, token_lp, top_ids, _ = sample_rows([_row(0), _row(1, logprobs=0), _row(2), _row(3)])
+    np.testing.assert_allclose(token_lp[1], raw[1, tokens[1]], rtol=1e-5, atol=1e-5)
+    assert not top_ids.any()
 
     # Row 1 wants its token's logprob only, row 2 the top 3 too, row 3 holds back its argmax.
     tokens, token_lp, top_ids, top_lp = sample_rows(
