@@ -10,7 +10,6 @@ no wall-clock window a loaded machine could miss (only lower bounds: sleeps neve
 from __future__ import annotations
 
 import asyncio
-import gc
 import importlib.util
 import json
 import math
@@ -233,7 +232,6 @@ def test_all_at_once_against_a_socket_server(fake):
 
 def test_rate_concurrency_goodput_and_failures(fake):
     workload = _workload()
-    gc.collect()   # not during the timed sends: an earlier test's model leaves a large heap
     # Poisson arrivals at 20 req/s: each request is sent at its scheduled offset.
     out = asyncio.run(bench_serve.run_load(fake.url, workload, rate=20.0, api="completions",
                                            goodput={"ttft": 50}, health_interval=None))
@@ -242,11 +240,9 @@ def test_rate_concurrency_goodput_and_failures(fake):
     assert want[0] == 0 and all(b > a for a, b in zip(want, want[1:]))
     assert [r["scheduled"] for r in reqs] == pytest.approx(want)
     # Sent on schedule: never early; typically within a few ms, but a busy 2-core CI machine
-    # can hold the event loop a few hundred ms (a 50 ms bound on one wake-up failed there, and
-    # later a 50 ms bound on the median: 181 ms). A sender that waited for each response
-    # before the next would lag ~0.4 s more per request (median ~1 s): still caught.
+    # can delay one event-loop wake-up by a few hundred ms (a 50 ms bound failed once there).
     lags = sorted(r["sent"] - r["scheduled"] for r in reqs)
-    assert lags[0] >= 0 and lags[len(lags) // 2] < 0.5 and lags[-1] < 1.5, lags
+    assert lags[0] >= 0 and lags[len(lags) // 2] < 0.05 and lags[-1] < 1.0, lags
     assert out["summary"]["completed"] == len(workload)
     assert out["summary"]["good_requests"] == 0           # TTFT 150 ms > the 50 ms SLO
     assert "max_tokens" in fake.bodies[-1] and "prompt" in fake.bodies[-1]
