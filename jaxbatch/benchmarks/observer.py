@@ -87,7 +87,8 @@ class HostDelay:
 
 class ExecutableTimer:
     """Calls and device seconds per executable key, and the prefill tokens the prefill
-    executables computed (their padded token bucket, key[1]) against the plans' prompt tokens."""
+    executables computed (their padded token bucket: a prefill key's key[1], a mixed key's
+    key[3]) against the plans' prompt tokens."""
 
     def __init__(self):
         self.per_key = collections.defaultdict(lambda: [0, 0.0])
@@ -96,8 +97,8 @@ class ExecutableTimer:
     def on_executable(self, key, seconds):
         self.per_key[key][0] += 1
         self.per_key[key][1] += seconds
-        if key[0] == "prefill":
-            self.prefill_tokens["computed"] += key[1]
+        if key[0] in ("prefill", "mixed"):         # ("mixed", rows, items, tokens, pages)
+            self.prefill_tokens["computed"] += key[1] if key[0] == "prefill" else key[3]
 
     def on_step(self, plan, dispatch_s, wait_s):
         self.prefill_tokens["prompt"] += sum(len(c.token_ids) for c in plan.prefills)

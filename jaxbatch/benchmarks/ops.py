@@ -32,8 +32,8 @@ import numpy as np
 from jaxbatch.benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
+from jaxbatch.worker.runner import MODEL_CALLS     # the runner's model-call kinds
 
-MODEL_CALLS = ("decode", "prefill")          # the runner's model-call kinds (worker/runner.py)
 # "%name = shape fusion(" or "%name = shape op(" in an HLO text
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(")
 

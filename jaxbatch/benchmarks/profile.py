@@ -1,6 +1,7 @@
 """Where the device time of the mixed chat workload goes, executable by executable.
 
     jaxbatch bench profile [--num-requests 48] [--max-num-seqs 16] [--prefix-caching]
+                           [--dtype float32] [--no-unified-step]
 
 The serve benchmark's workload (bundled prompts, chat template, output lengths lognormal(32, 1) in
 [8, 256]) through `LLM.chat`, greedy, float32, after an untimed pass over the first
@@ -27,6 +28,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
+    ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine option: decode rows inside the step's prefill call")
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     from jaxbatch import LLM, SamplingParams
@@ -34,7 +37,7 @@ def main(argv=None) -> dict:
     workload = make_workload(args.num_requests)
     llm = LLM(max_num_seqs=args.max_num_seqs, max_model_len=2048, dtype=args.dtype,
               async_scheduling=False, enable_prefix_caching=args.prefix_caching,
-              prefix_cache_granularity="block")
+              prefix_cache_granularity="block", unified_step=args.unified_step)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
               for r in workload]
     chats = [[{"role": "user", "content": r.text}] for r in workload]

@@ -1,6 +1,7 @@
 """Start-up cost of the embedded model: `LLM()` to first token, cold and from the caches.
 
-    jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--out bench_out]
+    jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--no-unified-step]
+                           [--out bench_out]
 
 Each measurement is a fresh Python process (what a user's second start is), in a private cache
 root that holds the converted weights but, depending on the mode, no compiled code:
@@ -75,9 +76,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="cold and warm starts each this many times (timings on a shared "
                          "machine are noisy; CPU seconds are reported beside wall time)")
+    ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine option (off: no mixed decode + prefill executables)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
-    kwargs = {"max_num_seqs": args.max_num_seqs}
+    kwargs = {"max_num_seqs": args.max_num_seqs, "unified_step": args.unified_step}
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
 

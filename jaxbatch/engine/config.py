@@ -135,6 +135,10 @@ class RuntimeOptions:
                                "inputs that touch no request): XLA:CPU sets up an "
                                "executable's kernels on its first run, which the first "
                                "requests of each shape would otherwise wait for")
+    unified_step: bool = option(True, "run a full decode batch and the step's prefill chunks "
+                                "as one model call, one pass over the weights (xla backend; "
+                                "one more executable per prefill token bucket); off: a call "
+                                "each")
     compilation_cache: bool = option(True, "keep compiled and lowered steps on disk "
                                      "(~/.cache/jaxbatch, or $JAXBATCH_CACHE)")
 

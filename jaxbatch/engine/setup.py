@@ -108,7 +108,8 @@ def speculative_planner(spec: SpeculativeConfig | None, config: EngineConfig,
             max_num_seqs=spec.max_batch_size, max_model_len=sched.max_model_len,
             dtype=config.model.dtype, warmup=rt.warmup, warmup_runs=rt.warmup_runs,
             compilation_cache=rt.compilation_cache,
-            attention_backend=rt.attention_backend, draft_sampling=spec.draft_sampling)
+            attention_backend=rt.attention_backend, draft_sampling=spec.draft_sampling,
+            unified_step=rt.unified_step)
     return SpeculativePlanner(spec, proposer)
 
 
@@ -127,7 +128,7 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
     return runner_class(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
                         rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
                         lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None,
-                        **extra)
+                        unified_step=rt.unified_step, **extra)
 
 
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):
@@ -149,11 +150,12 @@ def check_shared_runner(runner: ModelRunner, sched: SchedulerConfig,
     """`runner=` reuses another engine's compiled steps and pool: same shapes only."""
     mine = (sched.max_num_seqs, sched.num_blocks, sched.block_size, sched.max_model_len,
             sched.prefill_chunk_size, config.cache.kv_cache_dtype,
-            config.model.quantization == "int8")
+            config.model.quantization == "int8",
+            config.runtime.unified_step and runner.attention.mixed_calls)
     theirs = (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,
-              params_are_quantized(runner.params))
+              params_are_quantized(runner.params), runner.layout.unified)
     if mine != theirs:
         raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
-                         "max_model_len, prefill chunk size, kv_cache_dtype and "
-                         "quantization as this engine")
+                         "max_model_len, prefill chunk size, kv_cache_dtype, "
+                         "quantization and unified_step as this engine")

@@ -10,11 +10,10 @@ import numpy as np
 
 from jaxbatch.lora.pool import LoRAPool, target_shapes
 from jaxbatch.model.decoder import num_layers_of
-from jaxbatch.worker.runner import ModelRunner
+from jaxbatch.worker.runner import MODEL_CALLS, ModelRunner
 from jaxbatch.worker.step_inputs import ModelCall
 
 
-MODEL_KINDS = ("decode", "prefill")
 LORA = "_lora"
 
 
@@ -29,26 +28,26 @@ class LoRARunner(ModelRunner):
                                   max_loras, max_lora_rank)
         self.seq_slot: dict[int, int] = {}       # the LoRA manager's: running seq_id -> slot
         functions = self.executables.functions
-        for kind in MODEL_KINDS:     # the same function, called with the pool appended
+        for kind in MODEL_CALLS:     # the same function, called with the pool appended
             functions[kind + LORA] = functions[kind]
 
     def bucket_shapes(self) -> list[tuple]:
         keys = super().bucket_shapes()
-        return keys + [(k[0] + LORA,) + k[1:] for k in keys if k[0] in MODEL_KINDS]
+        return keys + [(k[0] + LORA,) + k[1:] for k in keys if k[0] in MODEL_CALLS]
 
     def is_model_call(self, key: tuple) -> bool:
-        return key[0].removesuffix(LORA) in MODEL_KINDS
+        return key[0].removesuffix(LORA) in MODEL_CALLS
 
     def example_args(self, key: tuple):
         if key[0].endswith(LORA):
             return super().example_args((key[0][:-len(LORA)],) + key[1:])
         args = super().example_args(key)
-        return args[:-1] if key[0] in MODEL_KINDS else args
+        return args[:-1] if key[0] in MODEL_CALLS else args
 
     def _run(self, key: tuple, args):
         """Model calls arrive with the pool appended (`_model_args`): kept, under the "_lora"
         key, only if some row uses an adapter."""
-        if key[0] not in MODEL_KINDS:
+        if key[0] not in MODEL_CALLS:
             return super()._run(key, args)
         if np.any(args[-1]["slots"]):
             return super()._run((key[0] + LORA,) + key[1:], args)
@@ -59,7 +58,12 @@ class LoRARunner(ModelRunner):
                 + (self.lora_pool.call_input(self._slots(key, call)),))
 
     def _slots(self, key: tuple, call: ModelCall | None) -> np.ndarray:
-        """[rows] for a decode call, [tokens] for a prefill call; padding rows use slot 0."""
+        """[rows] for a decode call, [tokens] for a prefill call, [rows + tokens] for a mixed
+        one; padding rows use slot 0."""
+        if key[0] == "mixed":
+            if call is None:
+                return np.zeros(key[1] + key[3], np.int32)
+            return np.concatenate([self._slots(part.key, part) for part in call.parts])
         slots = np.zeros(key[1], np.int32)
         if call is None:
             return slots

@@ -33,7 +33,7 @@ class DraftModelProposer:
     def __init__(self, model: str | LoadedModel, engine_class, *, target_vocab_size: int,
                  max_num_seqs: int, max_model_len: int, dtype: str, warmup: bool,
                  compilation_cache: bool, warmup_runs: bool = True, attention_backend: str = "auto",
-                 draft_sampling: str = "greedy"):
+                 draft_sampling: str = "greedy", unified_step: bool = True):
         """`engine_class`: the draft is an engine itself (the engine passes its own class, so
         this room never imports the engine's)."""
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
@@ -47,7 +47,8 @@ class DraftModelProposer:
             loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=self.max_len,
             prefill_chunk_size=DRAFT_PREFILL_CHUNK, warmup=False, warmup_runs=warmup_runs,
             compilation_cache=compilation_cache, attention_backend=attention_backend,
-            enable_prefix_caching=True, async_scheduling=False)   # proposals wanted now
+            unified_step=unified_step, enable_prefix_caching=True,
+            async_scheduling=False)   # proposals wanted now
         self.sampled = draft_sampling == "sampled"
         if self.sampled:
             self.engine.runner.keep_sampling_probs()   # before warm-up compiles "sample"

@@ -5,7 +5,9 @@ Each engine step dispatches, without reading anything back in between:
   model calls       ("decode", rows, items|pages) and ("prefill", tokens, pages), laid out by
                     `step_inputs.StepLayout`: forward pass -> logits of the sampled rows (on
                     the xla backend items and pages are fixed per rows or tokens: its
-                    attention loops over the context in use at run time)
+                    attention loops over the context in use at run time); with unified
+                    steps a step's decode rows and prefill tokens in one ("mixed", rows,
+                    items, tokens, pages) call, whose two parts are then sampled apart
   sampling          ("sample", rows): one executable per row count, shared by every model call
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
@@ -36,13 +38,18 @@ from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan
 from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
+MODEL_CALLS = ("decode", "prefill", "mixed")
+
+
+def _decode_tokens(kept_tokens, tokens, token_src):
+    """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
+    `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
+    return jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)     # [B]
 
 
 def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slot_mapping,
                     attn_meta, lora=None, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
-    """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
-    `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
-    tokens = jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)   # [B]
+    tokens = _decode_tokens(kept_tokens, tokens, token_src)
     # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
     attend = backend.decode_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
@@ -61,6 +68,28 @@ def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, s
     return llama.compute_logits(params, last, cfg), hidden, pool                # [S, V], [T, d]
 
 
+def _mixed_forward(params, pool, kept_tokens, d_tokens, token_src, d_positions, d_slot_mapping,
+                   d_meta, p_tokens, p_positions, p_slot_mapping, p_meta, sample_index, lora=None,
+                   *, cfg, backend, inv_freq, per_shard=llama.unsharded):
+    """A decode call's inputs (d_*, rows B) then a prefill call's (p_*, tokens T) as one
+    forward pass over [B + T] tokens; `lora` slots cover both, in that order.
+    -> (decode logits [B, V], prefill logits [S, V], prefill hidden [T, d], pool)."""
+    rows = d_tokens.shape[0]
+    tokens = jnp.concatenate([_decode_tokens(kept_tokens, d_tokens, token_src), p_tokens])
+    positions = jnp.concatenate([d_positions, p_positions])
+    slot_mapping = jnp.concatenate([d_slot_mapping, p_slot_mapping])
+    attend = attention.mixed_attend(rows, backend.decode_attend(d_meta, cfg.attention_scale),
+                                    backend.prefill_attend(p_meta, cfg.attention_scale))
+    hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
+                                        attend, inv_freq, per_shard, lora)      # [B + T, d]
+    prefill_hidden = hidden[rows:]
+    # One LM-head matmul for both parts' sampled rows: the head is the largest single weight,
+    # and the point of a mixed call is to read each weight once per step.
+    logits = llama.compute_logits(params, jnp.concatenate([hidden[:rows],
+                                                           prefill_hidden[sample_index]]), cfg)
+    return logits[:rows], logits[rows:], prefill_hidden, pool
+
+
 def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
     """`sample_fn` (a jaxbatch.worker.sampler function; `extra` its further inputs), and each row's
     token kept under its slot ([S]; slot S = not kept) for the next step's decode call to
@@ -77,13 +106,15 @@ def _prompt_logprobs_step(params, hidden, targets, *, cfg=None):
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
                  attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 tensor_parallel=None, lowered_dir: str | None = None):
+                 tensor_parallel=None, lowered_dir: str | None = None, unified_step: bool = True):
         """`tensor_parallel`: a `jaxbatch.parallel.sharding.TensorParallel` that places the
         params and pool on its mesh and gives every compiled call its shardings; None on one
         device (the default path, untouched by any of it). `lowered_dir`: where the lowered
         step functions are kept between starts (`lowered_store.py`; None: nowhere). Only
         plain-jnp attention on one device uses it (Pallas kernels are custom calls that
-        `jax.export` refuses, and sharded calls carry shardings)."""
+        `jax.export` refuses, and sharded calls carry shardings). `unified_step`: a step's
+        decode rows and prefill tokens share one model call where the backend allows it
+        (`step_inputs.StepLayout`)."""
         if tensor_parallel is not None and (kv_cache_dtype != "auto" or _has_int8(params)):
             raise ValueError("tensor_parallel_size > 1 with an int8 KV cache or int8 weights "
                              "is not supported yet")
@@ -102,7 +133,7 @@ class ModelRunner:
         self.attention = attention.get_backend(attention_backend)
         self.backend = self.attention.name
         chunks_per_call = self.attention.chunks_per_call
-        self.layout = StepLayout(sched_cfg, self.attention)
+        self.layout = StepLayout(sched_cfg, self.attention, unified_step)
         self.kv_cache_dtype = kv_cache_dtype
         # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
         if self.tp is None:
@@ -120,6 +151,7 @@ class ModelRunner:
             #                           number of outputs: the pool, when donated, is the last)
             "decode": (functools.partial(_decode_forward, **common), 1, 2),
             "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
+            "mixed": (functools.partial(_mixed_forward, **common), 1, 4),
             "sample": (functools.partial(_sample_and_keep, sampler.sample), None, None),
             "verify_sample": (functools.partial(_sample_and_keep, sampler.sample_verified), None, None),
             "prompt_logprobs": (functools.partial(_prompt_logprobs_step, cfg=model_cfg), None, None),
@@ -201,7 +233,7 @@ class ModelRunner:
     def example_args(self, key: tuple):
         """Arguments of the right shapes for `key`, for lowering at warm-up."""
         kind = key[0]
-        if kind in ("decode", "prefill"):
+        if self.is_model_call(key):
             return self._model_args(key, self.layout.placeholder_call(*key).args)
         vocab, n = self.model_cfg.vocab_size, key[1]
         if kind == "sample":
@@ -217,25 +249,33 @@ class ModelRunner:
 
     def _model_args(self, key: tuple, call_args: tuple, call: ModelCall | None = None) -> tuple:
         # `call` (None at warm-up): for subclasses adding per-row inputs (jaxbatch/lora/runner.py).
-        if key[0] == "decode":
+        if key[0] in ("decode", "mixed"):
             return (self.params, self.pool, self.kept_tokens) + call_args
         return (self.params, self.pool) + call_args
 
     # ---- one engine step -----------------------------------------------------------------
-    def _dispatch(self, call: ModelCall, bitmask_fn=None):
+    def _dispatch(self, call: ModelCall, bitmask_fn=None) -> list:
         """Model call, then its sampling (and prompt logprobs): device arrays, nothing read.
         `bitmask_fn(rows)`: the grammar bitmask of the call's rows, or None (structured outputs;
-        filled while the model call runs)."""
+        filled while the model call runs). -> [(call, outputs)], one per part of a mixed call."""
         out = self._run(call.key, self._model_args(call.key, call.args, call))
         self.pool = out[-1]
+        if call.parts is not None:          # (decode logits, prefill logits, prefill hidden)
+            decode, prefill = call.parts
+            return [(decode, self._sample(decode, out[0], None, bitmask_fn)),
+                    (prefill, self._sample(prefill, out[1], out[2], bitmask_fn))]
+        return [(call, self._sample(call, out[0], out[1] if call.key[0] == "prefill" else None,
+                                    bitmask_fn))]
+
+    def _sample(self, call: ModelCall, logits, hidden, bitmask_fn):
         arrays = self._sampling_arrays(call.rows, bitmask_fn(call.rows) if bitmask_fn else None)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
-            (kind, len(call.rows)), (out[0], arrays, self.kept_tokens, call.token_slots) + verify)
+            (kind, len(call.rows)), (logits, arrays, self.kept_tokens, call.token_slots) + verify)
         prompt_lp = None
         if call.want_prompt_logprobs:
             prompt_lp = self._run(("prompt_logprobs", call.key[1]),
-                                  (self.params, out[1], call.targets))
+                                  (self.params, hidden, call.targets))
         if self.tp is not None:
             sampled, prompt_lp = self.tp.to_host((sampled, prompt_lp))
         return sampled, prompt_lp
@@ -250,12 +290,9 @@ class ModelRunner:
         asynchronously), so the host can plan the next step meanwhile. `bitmask_fn`: see
         `_dispatch`."""
         start = time.perf_counter()
-        calls = [self.layout.prefill_call(group, plan, next_tokens)
-                 for group in self.layout.pack_prefills(plan.prefills)]
-        if plan.decodes:
-            calls.append(self.layout.decode_call(plan))
         # Dispatch every call before reading anything back.
-        pending = [(call, self._dispatch(call, bitmask_fn)) for call in calls]
+        pending = [part for call in self.layout.model_calls(plan, next_tokens)
+                   for part in self._dispatch(call, bitmask_fn)]
         return DispatchedStep(plan, next_tokens, pending, time.perf_counter() - start)
 
     def collect(self, step: "DispatchedStep") -> StepResult:
@@ -310,7 +347,7 @@ class ModelRunner:
                                        self.run_placeholder if run else None)
 
     def is_model_call(self, key: tuple) -> bool:
-        return key[0] in ("decode", "prefill")
+        return key[0] in MODEL_CALLS
 
     def run_placeholder(self, key: tuple) -> None:
         """Runs a model call's executable once on `StepLayout.placeholder_call`'s inputs, which

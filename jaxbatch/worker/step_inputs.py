@@ -1,7 +1,7 @@
 """Host side of the runner: which shape buckets exist, and how a `StepPlan` is laid out as the
 numpy arrays of each compiled call. No device work happens here.
 
-An engine step makes at most two kinds of model call:
+An engine step makes at most two kinds of model call, or a mixed call holding both:
   decode   one token for each decoding sequence, rows padded to a power of two (at least
            MIN_DECODE_ROWS, at most next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
            rows, so a half-empty slot array should not pay for the empty half.
@@ -12,6 +12,14 @@ An engine step makes at most two kinds of model call:
            largest token bucket or the backend's chunks_per_call), tokens padded to a bucket; xla's tile
            tables span max_pages_per_seq (its attention stops at the call's last position),
            the others' block tables a page bucket.
+  mixed    with `unified` (the `unified_step` option, on backends with `mixed_calls`): a step
+           whose decode rows fill the largest row bucket runs them and its (first) prefill
+           call as one call, decode rows first, then the packed prefill tokens: one pass over
+           the weights instead of two. Each part keeps its own attention arrays and its own
+           sampling (`ModelCall.parts`); the key is ("mixed", rows, items, tokens, pages),
+           one per prefill token bucket. Only the largest row bucket: a busy engine admits
+           beside a full decode batch, and smaller ones would multiply the executables to
+           compile and run at warm-up by the number of row buckets.
 Buckets are powers of two (and, for xla's prefill tokens, 1.5x steps between them), so the set
 of shapes is small and known (`bucket_shapes`).
 Block ids in every array are layer 0's; the model shifts them per layer.
@@ -44,7 +52,9 @@ assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split 
 class ModelCall:
     """One model call: its bucket key, its step inputs (params and pool are added at dispatch),
     the sampling row of each sampled row, and, for prefill, where each chunk sits."""
-    key: tuple                       # ("decode", rows, items or pages) | ("prefill", tokens, pages)
+    # ("decode", rows, items or pages) | ("prefill", tokens, pages)
+    # | ("mixed", rows, items or pages, tokens, pages): a decode key's sizes, then a prefill key's
+    key: tuple
     args: tuple
     rows: list[SamplingRow | None]
     chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
@@ -58,15 +68,20 @@ class ModelCall:
     # The slot each sampled row's token is kept under on device (max_num_seqs: not kept), so
     # the next step can decode it before the host has read it (host/device overlap).
     token_slots: np.ndarray | None = None
+    # mixed: (its decode call, its prefill call), each sampled and read back as if run alone
+    parts: tuple["ModelCall", "ModelCall"] | None = None
 
 
 class StepLayout:
-    def __init__(self, cfg: SchedulerConfig, backend: AttentionBackend):
+    def __init__(self, cfg: SchedulerConfig, backend: AttentionBackend, unified: bool = False):
         """`backend`: the attention backend whose metadata each call carries
-        (`worker/attention/`): it decides the calls' attention arrays and their shape keys."""
+        (`worker/attention/`): it decides the calls' attention arrays and their shape keys.
+        `unified`: decode rows and a prefill call of the same step share one model call,
+        where the backend's `mixed_calls` allows it."""
         self.cfg = cfg
         self.backend = backend
         self.chunks_per_call = backend.chunks_per_call
+        self.unified = unified and backend.mixed_calls
 
     # ---- buckets -------------------------------------------------------------------------
     @property
@@ -139,6 +154,11 @@ class StepLayout:
             shapes += [("decode", rows, size) for size in self.backend.decode_sizes(self, rows)]
         for t in self.prefill_token_buckets():
             shapes += [("prefill", t, p) for p in self.backend.prefill_sizes(self, t)]
+        if self.unified:
+            rows = self.decode_row_buckets()[-1]
+            decodes = [k for k in shapes if k[0] == "decode" and k[1] == rows]
+            prefills = [k for k in shapes if k[0] == "prefill"]
+            shapes += [("mixed",) + d[1:] + p[1:] for d in decodes for p in prefills]
         return shapes
 
     def executable_keys(self) -> list[tuple]:
@@ -243,10 +263,33 @@ class StepLayout:
                          want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks),
                          token_slots=token_slots)
 
+    # ---- one call per step ----------------------------------------------------------------
+    def model_calls(self, plan: StepPlan, next_tokens: dict[int, int]) -> list[ModelCall]:
+        """The step's model calls: its packed prefill calls, then its decode call; with
+        `unified`, a decode call of the largest row bucket rides in the first prefill call
+        (`mixed_call`)."""
+        calls = [self.prefill_call(group, plan, next_tokens)
+                 for group in self.pack_prefills(plan.prefills)]
+        if not plan.decodes:
+            return calls
+        decode = self.decode_call(plan)
+        if self.unified and calls and decode.key[1] == self.decode_row_buckets()[-1]:
+            return [self.mixed_call(decode, calls[0])] + calls[1:]
+        return calls + [decode]
+
+    @staticmethod
+    def mixed_call(decode: ModelCall, prefill: ModelCall) -> ModelCall:
+        """One call computing both: the decode call's inputs, then the prefill call's."""
+        return ModelCall(("mixed",) + decode.key[1:] + prefill.key[1:], decode.args + prefill.args,
+                         rows=[], parts=(decode, prefill))
+
     # ---- warm-up -------------------------------------------------------------------------
-    def placeholder_call(self, kind: str, a: int, b: int) -> ModelCall:
+    def placeholder_call(self, kind: str, a: int, b: int, *more: int) -> ModelCall:
         """A call of the given bucket on inputs that touch nothing: every token writes into and
         reads from the null block, and every length is 0."""
+        if kind == "mixed":
+            return self.mixed_call(self.placeholder_call("decode", a, b),
+                                   self.placeholder_call("prefill", *more))
         if kind == "decode":
             rows, size = a, b                          # size: work items (xla) or pages
             zeros, nowhere = np.zeros(rows, np.int32), np.full(rows, self.cfg.max_num_seqs, np.int32)

@@ -188,7 +188,8 @@ def _hlo_of(eng: LLMEngine, key) -> str:
 
 
 def check_hlo_collectives_and_donation():
-    """The compiled decode and prefill steps: all-reduces (two per layer, in the scan body),
+    """The compiled decode, prefill and mixed steps (a bucket of each): all-reduces (two per
+    layer, in the scan body),
     no all-gather of any weight-sized array, and the pool donated (aliased input -> output,
     never copied), at tp = 4 with 2 KV heads (copied) and 8."""
     for kv in (8, 2):
@@ -199,7 +200,8 @@ def check_hlo_collectives_and_donation():
         weight_shapes = {tuple(a.shape) for a in jax.tree.leaves(r.params) if a.ndim >= 2}
         n_leaves = len(jax.tree.leaves(r.params))
         keys = r.layout.bucket_shapes()
-        for key in (keys[0], keys[-1]):
+        assert {k[0] for k in keys} == {"decode", "prefill", "mixed"}
+        for key in (keys[0], next(k for k in keys if k[0] == "prefill"), keys[-1]):
             text = _hlo_of(eng, key)
             all_reduces = re.findall(r"= \S+ all-reduce(?:-start)?\(", text)
             # One after attention, one after the MLP, in the layer body the scan compiles once.

@@ -85,7 +85,14 @@ def test_mixed_batch_tokens_equal_each_run_alone_with_more_adapters_than_slots(s
               for n in (9, 5, 14, 6, 11, 8, 7, 12, 4)]
     jobs = [(p, sp, requests[w] if w else None) for p, sp, w in zip(prompts, params, which)]
     loads_before = engine.stats()["lora_num_loads"]
-    together = run(engine, jobs)
+    recorder = KeyRecorder()
+    engine.runner.executable_observers.append(recorder)
+    try:
+        together = run(engine, jobs)
+    finally:
+        engine.runner.executable_observers.remove(recorder)
+    # Prompts admitted beside decoding rows: adapter rows in one unified call (unified_step).
+    assert "mixed_lora" in recorder.keys
     alone = [run(engine, [job])[0] for job in jobs]
     for t, a in zip(together, alone):
         assert t.outputs[0].token_ids == a.outputs[0].token_ids

@@ -3,7 +3,8 @@ sharing eight slots, long prompts prefilled in chunks beside decoding rows, requ
 others finish. Every generated token's logprob must match its solo run. No XLA flags; bf16 is
 what `dtype="auto"` picks on this CPU.
 
-What this guards (docs/features.md, "Batch invariance"):
+What this guards (docs/features.md, "Batch invariance"), with unified steps (decode rows and a
+prefill in one call) among the crowd's steps:
 - row sums whose order XLA:CPU picks from the array's shape (`ordered_sum`, used by RMSNorm and
   the sampler; with `jnp.mean` in RMSNorm 9 of the 10 differ);
 - RoPE's (cos, sin) tables computed once per forward (`rope.rope_tables`): with cos and sin
@@ -49,7 +50,13 @@ def _scenario() -> str:
     def run(group):
         return tokens_and_logprobs(llm, prompts, params, group)
 
+    kinds = []
+    llm.llm_engine.runner.executable_observers.append(
+        type("Kinds", (), {"on_executable": lambda self, key, s: kinds.append(key[0])})())
     everyone = run(list(range(len(prompts))))
+    llm.llm_engine.runner.executable_observers.clear()
+    # Prompts admitted beside a full decode batch: unified steps (one "mixed" call) among them.
+    assert "mixed" in kinds and "decode" in kinds, sorted(set(kinds))
     same = 0
     for i in range(len(prompts)):
         solo = run([i])[i]

@@ -109,8 +109,10 @@ def test_compiled_model_calls_update_the_pool_in_place(tiny, backend, stored, tm
         assert runner.executables.store is not None
     pool_shape = "f32[" + ",".join(str(d) for d in runner.pool[0].shape) + "]"
     num_param_leaves = len(__import__("jax").tree.leaves(runner.params))
-    keys = [k for k in runner.layout.bucket_shapes()]
-    for key in (keys[0], keys[-1]):                          # a decode and a prefill call
+    keys = runner.layout.bucket_shapes()
+    kinds = sorted({k[0] for k in keys})                     # decode, prefill (and mixed: xla)
+    assert "mixed" in kinds or backend != "xla"
+    for key in [[k for k in keys if k[0] == kind][-1] for kind in kinds]:
         text = runner.executables.lower(key, runner.example_args(key)).compile().as_text()
         assert sorted(_pool_aliases(text)) == [num_param_leaves, num_param_leaves + 1], key
         copies = [line for line in text.splitlines()
@@ -228,8 +230,9 @@ def test_warmup_runs_each_model_step_once_and_changes_no_output(tiny, monkeypatc
     for runs in (False, True):
         ran.clear()
         engines[runs] = LLMEngine(loaded=tiny, warmup_runs=runs, **settings)
-        model_keys = [k for k in engines[runs].runner.bucket_shapes()
-                      if k[0] in ("decode", "prefill")]
+        runner = engines[runs].runner
+        model_keys = [k for k in runner.bucket_shapes() if runner.is_model_call(k)]
+        assert any(k[0] == "mixed" for k in model_keys)
         assert sorted(ran) == (sorted(model_keys) if runs else []), runs
     assert engines[True].runner.warmup_report["run_s"] > 0
     rng = np.random.default_rng(3)
@@ -252,7 +255,6 @@ def test_warmup_runs_the_lora_twins_too(tiny, monkeypatch):
                         lambda self, key, args: ran.append(key) or real_run(self, key, args))
     engine = LLMEngine(loaded=tiny, enable_lora=True, max_loras=1, max_lora_rank=4,
                        max_num_seqs=4, max_model_len=64, compilation_cache=False)
-    model_keys = [k for k in engine.runner.bucket_shapes()
-                  if k[0].startswith(("decode", "prefill"))]
-    assert any(k[0] == "decode_lora" for k in model_keys)
+    model_keys = [k for k in engine.runner.bucket_shapes() if engine.runner.is_model_call(k)]
+    assert {"decode_lora", "mixed_lora"} <= {k[0] for k in model_keys}
     assert sorted(ran) == sorted(model_keys)

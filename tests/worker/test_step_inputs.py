@@ -3,8 +3,10 @@ and longest contexts, smallest and largest chunks) for each layout, checked agai
 `executable_keys` lists. Host only: no device work, no compilation."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+import jax
 import pytest
 
 from jaxbatch.core.config import SchedulerConfig
@@ -55,7 +57,7 @@ def _prefill_plans(cfg, chunks_per_call):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["odd_sizes", "roomy"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, backend):
-    layout = StepLayout(cfg, BACKENDS[backend])
+    layout = StepLayout(cfg, BACKENDS[backend], unified=True)
     chunks_per_call = layout.chunks_per_call
     keys = set(layout.executable_keys())
     assert len(keys) == len(layout.executable_keys()), "a key is listed twice"
@@ -68,6 +70,13 @@ def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, backend):
             call = layout.prefill_call(group, plan, {})
             seen |= {call.key, ("sample", len(call.rows)), ("prompt_logprobs", call.key[1])}
             assert call.want_prompt_logprobs == any(c.prompt_logprobs is not None for c in group)
+    for plan in _mixed_plans(cfg, chunks_per_call):              # as the runner dispatches
+        for call in layout.model_calls(plan, {}):
+            seen.add(call.key)
+            for part in call.parts or (call,):
+                seen.add(("sample", len(part.rows)))
+                if part.key[0] == "prefill":
+                    seen.add(("prompt_logprobs", part.key[1]))
     missing = seen - keys
     assert not missing, f"calls with no warmed executable: {sorted(missing)}"
 
@@ -85,3 +94,62 @@ def test_placeholder_calls_have_the_shapes_of_real_calls():
         plan = next(_prefill_plans(cfg, 8))
         real = layout.prefill_call(plan.prefills, plan, {})
         assert shapes(real) == shapes(layout.placeholder_call(*real.key))
+
+
+def _mixed_plans(cfg, chunks_per_call):
+    """Decode plans with prefill chunks of other sequences added (seq ids from 100)."""
+    for decode_plan, prefill_plan in itertools.product(
+            itertools.islice(_decode_plans(cfg), 0, None, 4), _prefill_plans(cfg, chunks_per_call)):
+        chunks = [dataclasses.replace(c, seq_id=100 + c.seq_id) for c in prefill_plan.prefills]
+        sampling = {**decode_plan.sampling,
+                    **{100 + k: v for k, v in prefill_plan.sampling.items()}}
+        yield StepPlan(0, chunks, decode_plan.decodes, sampling)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["odd_sizes", "roomy"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_unified_step_runs_decode_rows_inside_the_first_prefill_call(cfg, backend):
+    """With `unified`, a step whose decode rows fill the largest row bucket and that has
+    prefills makes one ("mixed", ...) call whose parts are exactly the calls it would
+    otherwise make, and every such key is warmed; smaller decode batches, and backends
+    without `mixed_calls` (which list no mixed key), keep separate calls."""
+    layout = StepLayout(cfg, BACKENDS[backend], unified=True)
+    separate = StepLayout(cfg, BACKENDS[backend])
+    keys = set(layout.executable_keys())
+    mixes = BACKENDS[backend].mixed_calls
+    largest = layout.decode_row_buckets()[-1]
+    assert any(k[0] == "mixed" for k in keys) == mixes
+    assert all(k[1] == largest for k in keys if k[0] == "mixed")
+    kinds = set()
+    for plan in _mixed_plans(cfg, layout.chunks_per_call):
+        calls = layout.model_calls(plan, {})
+        alone = separate.model_calls(plan, {})
+        kinds |= {c.key[0] for c in calls}
+        if not mixes or alone[-1].key[1] != largest:
+            assert [c.key for c in calls] == [c.key for c in alone]
+            continue
+        assert len(calls) == len(alone) - 1
+        mixed = calls[0]
+        decode, prefill = mixed.parts
+        assert mixed.key in keys, mixed.key
+        # The parts are the separate layout's decode call and first prefill call, unchanged.
+        for part, twin in ((decode, alone[-1]), (prefill, alone[0])):
+            assert part.key == twin.key and part.rows == twin.rows
+            for a, b in zip(jax.tree.leaves(part.args), jax.tree.leaves(twin.args)):
+                assert (a == b).all()
+        # Calls that did not fit the first prefill call follow it, unchanged.
+        assert [c.key for c in calls[1:]] == [c.key for c in alone[1:-1]]
+    assert kinds == ({"mixed", "decode", "prefill"} if mixes else {"decode", "prefill"})
+    # Decode-only and prefill-only steps are unchanged.
+    plan = next(_decode_plans(cfg))
+    assert [c.key[0] for c in layout.model_calls(plan, {})] == ["decode"]
+    plan = next(_prefill_plans(cfg, 2))
+    assert [c.key[0] for c in layout.model_calls(plan, {})] == ["prefill"]
+    if mixes:
+        plan = next(p for p in _mixed_plans(cfg, 1)
+                    if layout.decode_row_bucket(len(p.decodes)) == largest)
+        real = layout.model_calls(plan, {})[0]
+        assert real.key[0] == "mixed"
+        fake = layout.placeholder_call(*real.key)
+        shapes = lambda call: [getattr(a, "shape", None) for a in jax.tree.leaves(call.args)]
+        assert shapes(real) == shapes(fake)

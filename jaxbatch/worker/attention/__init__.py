@@ -23,10 +23,11 @@ import jax
 
 from jaxbatch.worker.attention.base import AttentionBackend
 from jaxbatch.worker.attention.block_tables import BlockTableBackend
+from jaxbatch.worker.attention.mixed import mixed_attend
 from jaxbatch.worker.attention.work_lists import WorkListBackend
 from pallas_kernels import availability
 
-__all__ = ["AttentionBackend", "BACKENDS", "get_backend", "resolve_backend"]
+__all__ = ["AttentionBackend", "BACKENDS", "get_backend", "mixed_attend", "resolve_backend"]
 
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 

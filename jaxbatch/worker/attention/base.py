@@ -32,6 +32,10 @@ class AttentionBackend:
     # Whether `jax.export` can store its lowered steps (Pallas kernels are custom calls it
     # refuses).
     exportable: bool = True
+    # Whether a step's decode rows and prefill call may share one model call (`mixed_attend`):
+    # worth it where each kind has one size per row or token count, since a mixed call has a
+    # key per pair of them.
+    mixed_calls: bool = False
 
     # ---- host: shapes --------------------------------------------------------------------
     def decode_sizes(self, layout, rows: int) -> list[int]:

@@ -19,6 +19,7 @@ class WorkListBackend(AttentionBackend):
     name = "xla"
     prefill_align = PREFILL_TILE
     intermediate_prefill_buckets = True
+    mixed_calls = True          # one decode size per row count, one prefill size per token count
 
     def decode_sizes(self, layout, rows):
         return [layout.decode_item_capacity(rows)]
