@@ -62,7 +62,8 @@ def test_alone_tokens_equal_speculation_off(engines):
 
 def test_in_a_crowd_with_preemption_and_prefix_caching(engines):
     """Twelve requests through 6 slots and 40 blocks: preemptions happen, repeated prompts hit
-    the prefix cache, and small batches speculate."""
+    the prefix cache, and small batches speculate; some steps run their verify rows inside a
+    prefill call (unified_step's mixed calls)."""
     on, _ = engines
     shared = list(range(100, 116))                 # one chunk every prompt starts with
     prompts = [shared + p for p in repetitive_prompts(6, 1)] * 2
@@ -72,8 +73,16 @@ def test_in_a_crowd_with_preemption_and_prefix_caching(engines):
     plain = LLMEngine(loaded=spec.loaded, runner=spec.runner, warmup=False,
                       compilation_cache=False, **small)
     want = [result(o) for o in run_all(plain, prompts, params)]
+    mixed_verifies = []         # per mixed call: whether its decode part verifies drafts
+    dispatch = spec.runner._dispatch
+    def recording(call, *rest):
+        if call.parts is not None:
+            mixed_verifies.append(any(j > 0 for _, j in call.parts[0].decode_rows))
+        return dispatch(call, *rest)
+    spec.runner._dispatch = recording
     got = [result(o) for o in run_all(spec, prompts, params)]
     assert got == want
+    assert any(mixed_verifies)
     stats = spec.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_num_accepted_tokens"] > 0
