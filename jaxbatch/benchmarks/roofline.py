@@ -2,7 +2,9 @@
 
     copy bandwidth   a jitted elementwise pass over a large array (bytes read + written / time)
     GEMM peak        a large bf16 x bf16 -> f32 dot (the dtype policy's matmul), FLOP/s
-    decode floor     (weight bytes + KV bytes the step reads) / copy bandwidth
+    decode floor     the larger of (weight bytes + KV bytes the step reads) / copy bandwidth
+                     and the step's matmul FLOPs (layers and LM head) / GEMM peak: without
+                     AMX a CPU's bf16 dots can be compute-bound at a few dozen rows
     prefill floor    matmul FLOPs of the chunk / GEMM peak
 
 Decode: `slots` requests decoding in lockstep (decode_floor's steady engine: no overlap, every
@@ -77,7 +79,12 @@ def kv_bytes_read(engine, lengths) -> int:
     return int(sum(lengths)) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float) -> dict:
+def decode_flops(cfg, rows: int) -> int:
+    """Matmul FLOPs of one decode step: every layer matrix and the LM head, once per row."""
+    return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
+
+
+def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak: float) -> dict:
     from jaxbatch.benchmarks.decode_floor import steady_decode_engine
     engine = steady_decode_engine(loaded, rows, ctx, steps, seed=0)
     engine.step()                                    # every prefill
@@ -90,11 +97,15 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float) -> di
         times.append(time.perf_counter() - start)
         kv.append(kv_bytes_read(engine, lengths))
     weights = model_bytes(engine.runner.params)
-    floor = (weights + statistics.median(kv)) / bandwidth
+    bandwidth_floor = (weights + statistics.median(kv)) / bandwidth
+    compute_floor = decode_flops(engine.model_config, rows) / peak
+    floor = max(bandwidth_floor, compute_floor)
     step = statistics.median(times)
     return {"rows": rows, "context": ctx, "step_ms": 1e3 * step, "weight_mb": weights / 1e6,
-            "kv_mb": statistics.median(kv) / 1e6, "floor_ms": 1e3 * floor,
-            "step_over_floor": step / floor}
+            "kv_mb": statistics.median(kv) / 1e6,
+            "bandwidth_floor_ms": 1e3 * bandwidth_floor, "compute_floor_ms": 1e3 * compute_floor,
+            "bound": "bandwidth" if bandwidth_floor >= compute_floor else "compute",
+            "floor_ms": 1e3 * floor, "step_over_floor": step / floor}
 
 
 def prefill_chunk(loaded, tokens: int, peak: float) -> dict:
@@ -133,16 +144,17 @@ def main(argv=None):
     bandwidth, peak = copy_bandwidth(), gemm_peak()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s",
           flush=True)
-    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth)
+    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak)
                for rows in args.rows]
     prefill = prefill_chunk(loaded, args.prefill_tokens, peak)
     md = "\n\n".join([
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s; "
         f"{loaded.source}, weights {loaded.params['embed'].dtype}",
-        table(["decode rows", "context", "step ms", "weights MB", "KV read MB", "floor ms",
-               "step / floor"],
+        table(["decode rows", "context", "step ms", "weights MB", "KV read MB",
+               "bandwidth floor ms", "compute floor ms", "step / floor"],
               [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['weight_mb']:.0f}",
-                f"{d['kv_mb']:.0f}", f"{d['floor_ms']:.1f}", f"{d['step_over_floor']:.2f}"]
+                f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
+                f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})"]
                for d in decodes]),
         table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
               [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",

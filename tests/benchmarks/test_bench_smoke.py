@@ -226,7 +226,27 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
     assert dec["rows"] == 4 and dec["kv_mb"] > 0 and dec["step_over_floor"] > 0
     # tiny: 2 layers, 4 KV heads' worth of head_dim 16 in bf16, every length in (32, 64]
     assert 4 * 33 * 2 * 2 * 2 * 16 * 2 / 1e6 <= dec["kv_mb"] <= 4 * 64 * 2 * 2 * 2 * 16 * 2 / 1e6
+    # the floor is the larger of bytes / bandwidth and the matmul FLOPs (layers + LM head) / peak
+    from jaxbatch.benchmarks.random_models import MODEL_SHAPES
+    cfg = MODEL_SHAPES["tiny"]
+    flops = 2 * (roofline.matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * 4
+    assert dec["compute_floor_ms"] == pytest.approx(1e3 * flops / report["gemm_peak_flop_s"])
+    assert dec["floor_ms"] == max(dec["bandwidth_floor_ms"], dec["compute_floor_ms"])
+    assert dec["bound"] == ("compute" if dec["compute_floor_ms"] > dec["bandwidth_floor_ms"]
+                            else "bandwidth")
     assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0
+
+
+def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():
+    from jaxbatch.benchmarks import roofline
+    from jaxbatch.benchmarks.random_models import random_model
+    loaded = random_model("tiny")
+    # a slow GEMM makes the step compute-bound; a fast one leaves it bandwidth-bound
+    slow = roofline.decode_rows(loaded, 4, 64, 2, bandwidth=1e12, peak=1e6)
+    assert slow["bound"] == "compute" and slow["floor_ms"] == slow["compute_floor_ms"]
+    assert slow["compute_floor_ms"] > slow["bandwidth_floor_ms"]
+    fast = roofline.decode_rows(loaded, 4, 64, 2, bandwidth=1e6, peak=1e18)
+    assert fast["bound"] == "bandwidth" and fast["floor_ms"] == fast["bandwidth_floor_ms"]
 
 
 def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
