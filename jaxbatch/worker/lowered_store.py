@@ -30,12 +30,17 @@ import pickle
 import jax
 from jax import export
 
+from cpu_kernels import paged_decode
+
 logger = logging.getLogger(__name__)
 
 # The code that ends up inside a lowered step (folders: every .py file in them, subfolders too).
-_TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "jaxbatch/worker",
+_TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "cpu_kernels", "jaxbatch/worker",
                    "jaxbatch/sampling_params.py", "jaxbatch/core/config.py", "jaxbatch/core/plan.py")
 _FORMAT = 1
+# Our CPU kernels' custom calls (cpu_kernels/): registered in-process before a step holding one
+# is traced, so a stored step may keep them.
+_OUR_CUSTOM_CALLS = [export.DisabledSafetyCheck.custom_call(paged_decode.TARGET)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,7 +52,7 @@ def source_hash() -> str:
         full = os.path.join(root, entry)
         if os.path.isdir(full):
             paths += [os.path.join(folder, f) for folder, _, files in os.walk(full)
-                      for f in files if f.endswith(".py")]
+                      for f in files if f.endswith((".py", ".cc"))]
         else:
             paths.append(full)
     for path in sorted(paths):
@@ -64,7 +69,8 @@ def fingerprint(*parts) -> str:
     import jaxlib
     device = jax.devices()[0]
     settings = (jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
-                str(jax.config.jax_numpy_rank_promotion), str(jax.config.jax_numpy_dtype_promotion))
+                str(jax.config.jax_numpy_rank_promotion), str(jax.config.jax_numpy_dtype_promotion),
+                paged_decode.unavailable_reason())
     text = repr((_FORMAT, jax.__version__, jaxlib.__version__, device.platform,
                  getattr(device, "device_kind", ""), source_hash(), settings) + tuple(parts))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -94,7 +100,8 @@ class LoweredStore:
         export of `key` when there is a usable one, else exported (and stored) now."""
         exported = self._load(key, args)
         if exported is None:
-            exported = export.export(jax.jit(fn, donate_argnums=donate))(*args)
+            exported = export.export(jax.jit(fn, donate_argnums=donate),
+                                     disabled_checks=_OUR_CUSTOM_CALLS)(*args)
             self._save(key, exported)
         else:
             self.hits += 1

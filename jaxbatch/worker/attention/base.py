@@ -73,6 +73,10 @@ class AttentionBackend:
     def prefill_attend(self, meta, scale: float):
         raise NotImplementedError
 
+    def decode_kernel(self, pool_dtype, model_cfg) -> str:
+        """What runs decode attention for a pool of `pool_dtype` (stats())."""
+        return f"{self.name} backend"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 

@@ -8,8 +8,10 @@ max_pages_per_seq).
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
+from cpu_kernels import paged_decode
 from jaxbatch.worker.attention.base import AttentionBackend, scale_kwargs
 from pallas_kernels import xla_paged_attention
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
@@ -56,10 +58,29 @@ class WorkListBackend(AttentionBackend):
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
         item_slot, item_pages, item_first_pos, lengths = meta
-        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
-            xla_paged_attention.paged_decode_attention_xla(
-                q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths,
-                scale=scale, **scale_kwargs(scales, window, soft_cap)))
+
+        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
+            args = (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths)
+            jnp_path = lambda *a: xla_paged_attention.paged_decode_attention_xla(
+                *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
+            if (scales is None and soft_cap is None and paged_decode.supports(q, k_pages)
+                    and paged_decode.unavailable_reason() is None):
+                # bf16 pages on a CPU with AVX512-BF16: one custom call per layer instead of
+                # dozens of small ops; the same function lowered for another platform keeps
+                # the jnp path.
+                kernel = lambda *a: paged_decode.paged_decode_attention(
+                    *a, scale=scale, window=window)
+                return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
+            return jnp_path(*args)
+        return attend
+
+    def decode_kernel(self, pool_dtype, model_cfg) -> str:
+        if np.dtype(pool_dtype) != np.uint16:
+            return "jnp work lists (the pool is not bf16)"
+        if model_cfg.attn_soft_cap is not None:
+            return "jnp work lists (attention soft cap)"
+        reason = paged_decode.unavailable_reason()
+        return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
 
     def prefill_attend(self, meta, scale):
         """meta = (query_pos [T], tile_pages [T / PREFILL_TILE, P])"""

@@ -1,0 +1,12 @@
+"""Kernels of our own for CPUs, called from jitted code as XLA FFI custom calls.
+
+Each kernel is C++ source compiled on first use (`build.py`: the machine's C++ compiler, the
+result cached by source, flags and jaxlib version), with a Python wrapper that validates its
+operands and says why it cannot run where it cannot (`unavailable_reason`); its reference is
+the plain-jnp function it replaces, which the caller uses wherever the kernel is unavailable.
+
+    paged_decode   decode attention over bf16 KV pages (reference:
+                   pallas_kernels.xla_paged_attention.paged_decode_attention_xla)
+
+JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
+"""

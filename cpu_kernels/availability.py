@@ -1,0 +1,54 @@
+"""Whether this machine can run the CPU kernels, built and registered once per process."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import jax
+
+from cpu_kernels import build
+
+# The instruction sets every kernel here is compiled for.
+FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def register(source: str, symbol: str, target: str) -> str | None:
+    """Builds `source`, registers its handler `symbol` as the FFI target `target` on CPU;
+    returns why it cannot, or None."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    missing = _CPU_FLAGS - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        lib = build.load(build.shared_library(source, FLAGS))
+    except (build.BuildError, OSError) as e:
+        return f"could not build {source}: {e}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return None
+
+
+def unavailable_reason(source: str, symbol: str, target: str) -> str | None:
+    """None where the kernel runs; else why not. JAXBATCH_CPU_KERNELS=0 turns every kernel off,
+    =1 turns a kernel that cannot run into an error."""
+    setting = os.environ.get("JAXBATCH_CPU_KERNELS", "")
+    if setting == "0":
+        return "turned off (JAXBATCH_CPU_KERNELS=0)"
+    reason = register(source, symbol, target)
+    if reason and setting == "1":
+        raise RuntimeError(f"JAXBATCH_CPU_KERNELS=1, but {source} cannot run: {reason}")
+    return reason

@@ -1,0 +1,124 @@
+"""The CPU decode-attention kernel (`cpu_kernels/paged_decode.cc`) against its reference, the
+XLA-CPU work-list attention (`paged_decode_attention_xla`), on the same random paged inputs
+(NaN in every pool slot a case does not fill, `test_xla_attention._decode_case`), and inside
+the engine. Skipped, with the reason, where the kernel cannot run (no AVX512-BF16, no g++)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import paged_decode
+from pallas_kernels.reference import BF16_BITS
+from pallas_kernels.xla_paged_attention import paged_decode_attention_xla
+from test_xla_attention import _decode_case
+
+REASON = paged_decode.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
+
+_kernel = jax.jit(paged_decode.paged_decode_attention)
+_xla = jax.jit(paged_decode_attention_xla)
+
+
+def _as_bits(pool):
+    return jax.lax.bitcast_convert_type(pool, BF16_BITS)
+
+
+CASES = [
+    # (seed, num_heads, num_kv_heads, head_dim, block_size, padding items, pages per item)
+    (21, 9, 3, 64, 16, 3, 8),       # SmolLM2's shapes
+    (22, 4, 4, 128, 32, 9, 2),      # GQA 1
+    (23, 8, 2, 64, 32, 12, 8),      # GQA 4, long slots across items
+    (24, 4, 2, 16, 16, 0, 1),       # the tiny test model's head_dim: a partial D chunk
+    (25, 32, 8, 128, 16, 5, 4),     # Llama-3.1-8B's heads
+]
+
+
+@pytest.mark.parametrize("seed,heads,kv_heads,head_dim,block_size,extra,ppi", CASES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_matches_its_reference(seed, heads, kv_heads, head_dim, block_size, extra, ppi,
+                                      window):
+    (q, k, v, *items, lengths), _, lens = _decode_case(seed, heads, kv_heads, head_dim,
+                                                       block_size, jnp.bfloat16, extra, ppi)
+    k, v = _as_bits(k), _as_bits(v)
+    scale = 0.3
+    out = _kernel(q, k, v, *items, lengths, scale=scale, window=window)
+    ref = _xla(q, k, v, *items, lengths, scale=scale, window=window)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out32).all(), f"seed={seed}: NaN from a masked key or value"
+    err = np.abs(out32 - ref32).max() / np.abs(ref32).max()
+    assert err < 1e-2, f"seed={seed} window={window}: relative error {err:.3g}"
+    assert (out32[lens == 0] == 0).all(), f"seed={seed}: empty rows must give exactly zero"
+
+
+def test_a_row_alone_equals_the_row_in_a_batch():
+    """Batch invariance: each row's result depends on its own keys only."""
+    (q, k, v, item_slot, item_pages, item_first, lengths), _, lens = _decode_case(
+        31, 9, 3, 64, 16, jnp.bfloat16, 4, 2)
+    k, v = _as_bits(k), _as_bits(v)
+    full = np.asarray(_kernel(q, k, v, item_slot, item_pages, item_first, lengths), np.float32)
+    for row in np.flatnonzero(lens > 0):
+        keep = np.asarray(item_slot) == row
+        # the row's items alone, as row 0 of a one-row call, padded like a real bucket
+        slot = np.where(keep, 0, 1)[np.argsort(~keep, kind="stable")]
+        order = np.argsort(~keep, kind="stable")
+        alone = _kernel(q[row:row + 1], k, v, jnp.asarray(slot, jnp.int32),
+                        item_pages[order], item_first[order], lengths[row:row + 1])
+        np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], full[row])
+
+
+def test_refuses_what_it_does_not_cover():
+    q = jnp.zeros((2, 4, 16), jnp.bfloat16)
+    pool = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
+    assert not paged_decode.supports(q, pool)                     # bf16 values, not bits
+    assert not paged_decode.supports(q, _as_bits(pool), soft_cap=30.0)
+    assert not paged_decode.supports(q.astype(jnp.float32), _as_bits(pool))
+    with pytest.raises(ValueError, match="uint16 pool"):
+        paged_decode.paged_decode_attention(q, pool, pool, jnp.zeros(1, jnp.int32),
+                                            jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
+                                            jnp.zeros(2, jnp.int32))
+
+
+def _tiny_bf16_engine(max_num_seqs=4):
+    from jaxbatch.engine.llm_engine import LLMEngine
+    from jaxbatch.model.loader import LoadedModel
+    from tiny_models import make_hf_model, ours_from_hf
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=5))
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
+    loaded = LoadedModel(cfg, params, None, "tiny-bf16", 0.0, False)
+    return LLMEngine(loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=128,
+                     prefill_chunk_size=32, warmup=False, compilation_cache=False)
+
+
+def _decode_text(engine):
+    runner = engine.runner
+    key = [k for k in runner.layout.bucket_shapes() if k[0] == "decode"][-1]
+    return runner.executables.lower(key, runner.example_args(key)).compile().as_text()
+
+
+def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeypatch):
+    from engines import run_all
+    from jaxbatch import SamplingParams
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 37, 70, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)] * 4
+    with_kernel = _tiny_bf16_engine()
+    assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
+    assert paged_decode.TARGET in _decode_text(with_kernel)
+    outs = run_all(with_kernel, prompts, params)
+    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
+    plain = _tiny_bf16_engine()
+    assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["decode_attention"]
+    assert paged_decode.TARGET not in _decode_text(plain)
+    refs = run_all(plain, prompts, params)
+    agree = 0
+    for out, ref in zip(outs, refs):
+        a, b = out.outputs[0], ref.outputs[0]
+        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if tok_a != tok_b:
+                break
+            assert abs(lp_a[tok_a] - lp_b[tok_b]) < 0.05, (lp_a, lp_b)
+            agree += 1
+    assert agree >= 30, f"only {agree} of 40 greedy tokens agree before a divergence"
