@@ -6,8 +6,9 @@ rows, masks, a fold); the kernel reads each row's keys and values once, in place
 online softmax, and gives each row the same result whatever the batch.
 
     unavailable_reason()   None where the kernel runs here
-    supports(k_pages, k_scales, soft_cap)   whether it covers this call (bf16 bits, no int8
-                                            scales, no soft cap)
+    supports(q, k_pages, k_scales, soft_cap)   whether it covers this call (bf16 q, a pool of
+                                               bf16 bits, no int8 scales, no soft cap, at most
+                                               MAX_GROUP query heads per kv head)
     paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
                            lengths, *, scale, window)  -> [B, H, D] in q's dtype
 """

@@ -79,6 +79,9 @@ class WorkListBackend(AttentionBackend):
             return "jnp work lists (the pool is not bf16)"
         if model_cfg.attn_soft_cap is not None:
             return "jnp work lists (attention soft cap)"
+        group = model_cfg.num_heads // model_cfg.num_kv_heads
+        if group > paged_decode.MAX_GROUP or model_cfg.head_dim > paged_decode.MAX_HEAD_DIM:
+            return f"jnp work lists ({group} query heads per kv head, head_dim {model_cfg.head_dim})"
         reason = paged_decode.unavailable_reason()
         return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
 
