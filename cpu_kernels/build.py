@@ -30,6 +30,7 @@ def compiler() -> str | None:
 
 
 def _cache_dir() -> str:
+    # jaxbatch.model.loader.cache_root's directory; this package imports nothing of jaxbatch
     base = os.environ.get("JAXBATCH_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxbatch")
     return os.path.join(base, "cpu_kernels")

@@ -68,6 +68,11 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The first min(n, 16) lanes.
+inline __mmask16 FirstLanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 inline __m512 Bf16ToF32(const uint16_t* src, __mmask16 mask) {
   const __m256i bits = _mm256_maskz_loadu_epi16(mask, src);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
@@ -105,11 +110,6 @@ void PrefetchItem(const Problem& p, int64_t g, int64_t it, int64_t length) {
   }
 }
 
-inline void Prefetch(const Problem& p, int64_t g, int64_t it, int64_t length, int hint) {
-  if (hint == _MM_HINT_T0) PrefetchItem<_MM_HINT_T0>(p, g, it, length);
-  else PrefetchItem<_MM_HINT_T1>(p, g, it, length);
-}
-
 // Row `row`, kv head `g`: out[row, g * G : (g + 1) * G, :].
 void Unit(const Problem& p, int64_t row, int64_t g) {
   const int64_t D = p.head_dim, G = p.heads / p.kv_heads, bs = p.block_size;
@@ -126,11 +126,11 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
   const uint16_t* q = p.q + (row * p.heads + g * G) * D;
   const int64_t dchunks = (D + 31) / 32;
   const int64_t end_item = p.first_item[row] + p.item_count[row];
-  if (p.item_count[row] > 0) Prefetch(p, g, p.first_item[row], length, _MM_HINT_T0);
+  if (p.item_count[row] > 0) PrefetchItem<_MM_HINT_T0>(p, g, p.first_item[row], length);
   for (int64_t it = p.first_item[row]; it < end_item; ++it) {
     // The next item's pages come from memory while this one's are used: rows' pages are
     // scattered over the pool, 2-4 KB at a time, too short for the hardware prefetcher.
-    if (it + 1 < end_item) Prefetch(p, g, it + 1, length, _MM_HINT_T1);
+    if (it + 1 < end_item) PrefetchItem<_MM_HINT_T1>(p, g, it + 1, length);
     for (int64_t j = 0; j < p.pages_per_item; ++j) {
       const int64_t page = p.item_pages[it * p.pages_per_item + j];
       const int64_t page_pos = p.item_first_pos[it] + j * bs;
@@ -172,7 +172,7 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
           if (correction != 1.0f) {
             const __m512 cv = _mm512_set1_ps(correction);
             for (int64_t d = 0; d < D; d += 16) {
-              const __mmask16 dm = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+              const __mmask16 dm = FirstLanes(D - d);
               _mm512_mask_storeu_ps(acc[h] + d, dm,
                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(dm, acc[h] + d), cv));
             }
@@ -185,7 +185,7 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
         // acc[h][d:d+16] += sum_i pw[h][i] * v[i][d:d+16], the G accumulators in registers
         // while the block's keys pass, in key order.
         for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 dm = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+          const __mmask16 dm = FirstLanes(D - d);
           __m512 a[kMaxGroup];
           for (int64_t h = 0; h < G; ++h) a[h] = _mm512_maskz_loadu_ps(dm, acc[h] + d);
           for (int64_t i = 0; i < n; ++i) {

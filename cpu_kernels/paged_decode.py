@@ -5,10 +5,11 @@ XLA:CPU runs the reference as dozens of small ops per layer (gathers, batched do
 rows, masks, a fold); the kernel reads each row's keys and values once, in place, with an
 online softmax, and gives each row the same result whatever the batch.
 
-    unavailable_reason()   None where the kernel runs here
-    supports(q, k_pages, k_scales, soft_cap)   whether it covers this call (bf16 q, a pool of
-                                               bf16 bits, no int8 scales, no soft cap, at most
-                                               MAX_GROUP query heads per kv head)
+    unavailable_reason()   None where the kernel runs on this machine, else why not
+    why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
+                           None where it covers such a call here, else why the jnp path runs
+                           (pages not bf16 bits: float32 or int8; a soft cap; more than
+                           MAX_GROUP query heads per kv head; head_dim past MAX_HEAD_DIM)
     paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
                            lengths, *, scale, window)  -> [B, H, D] in q's dtype
 """
@@ -28,18 +29,28 @@ def unavailable_reason() -> str | None:
     return availability.unavailable_reason(SOURCE, SYMBOL, TARGET)
 
 
-def supports(q, k_pages, k_scales=None, soft_cap=None) -> bool:
-    num_heads, head_dim = q.shape[1:]
-    return (k_pages.dtype == jnp.uint16 and k_scales is None and soft_cap is None
-            and q.dtype == jnp.bfloat16 and num_heads % k_pages.shape[0] == 0
-            and num_heads // k_pages.shape[0] <= MAX_GROUP and head_dim <= MAX_HEAD_DIM)
+def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
+    if jnp.dtype(pool_dtype) != jnp.uint16:
+        return f"{jnp.dtype(pool_dtype).name} pages, not bf16 bits"
+    if soft_cap is not None:
+        return "attention soft cap"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
+    return None
+
+
+def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str | None:
+    return (_uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
+            or unavailable_reason())
 
 
 def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos, lengths,
                            *, scale=None, window=None):
-    if not supports(q, k_pages):
+    uncovered = _uncovered(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], None)
+    if uncovered or q.dtype != jnp.bfloat16:
         raise ValueError(f"paged_decode: bf16 q [B, H, D] and a uint16 pool expected, got "
-                         f"{q.dtype} {q.shape}, {k_pages.dtype} {k_pages.shape}")
+                         f"{q.dtype} {q.shape}, {k_pages.dtype} {k_pages.shape}"
+                         f"{f' ({uncovered})' if uncovered else ''}")
     reason = availability.register(SOURCE, SYMBOL, TARGET)
     if reason:
         raise RuntimeError(f"paged_decode cannot run here: {reason}")

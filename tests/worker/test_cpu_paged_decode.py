@@ -72,14 +72,18 @@ def test_a_row_alone_equals_the_row_in_a_batch():
 def test_refuses_what_it_does_not_cover():
     q = jnp.zeros((2, 4, 16), jnp.bfloat16)
     pool = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
-    assert not paged_decode.supports(q, pool)                     # bf16 values, not bits
-    assert not paged_decode.supports(q, _as_bits(pool), soft_cap=30.0)
-    assert not paged_decode.supports(q.astype(jnp.float32), _as_bits(pool))
+    assert paged_decode.why_not(jnp.uint16, 4, 2, 16) is None
+    assert "not bf16 bits" in paged_decode.why_not(pool.dtype, 4, 2, 16)    # values, not bits
+    assert "not bf16 bits" in paged_decode.why_not(jnp.int8, 4, 2, 16)
+    assert "soft cap" in paged_decode.why_not(jnp.uint16, 4, 2, 16, soft_cap=30.0)
+    assert "kv heads" in paged_decode.why_not(jnp.uint16, 4 * 17, 4, 16)
+    empty = (jnp.zeros(1, jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
+             jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="uint16 pool"):
-        paged_decode.paged_decode_attention(q, pool, pool, jnp.zeros(1, jnp.int32),
-                                            jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
-                                            jnp.zeros(2, jnp.int32))
-
+        paged_decode.paged_decode_attention(q, pool, pool, *empty)
+    with pytest.raises(ValueError, match="uint16 pool"):
+        paged_decode.paged_decode_attention(q.astype(jnp.float32), _as_bits(pool),
+                                            _as_bits(pool), *empty)
 
 def _tiny_bf16_engine(max_num_seqs=4):
     from jaxbatch.engine.llm_engine import LLMEngine

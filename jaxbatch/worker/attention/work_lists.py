@@ -63,8 +63,9 @@ class WorkListBackend(AttentionBackend):
             args = (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths)
             jnp_path = lambda *a: xla_paged_attention.paged_decode_attention_xla(
                 *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
-            if (scales is None and soft_cap is None and paged_decode.supports(q, k_pages)
-                    and paged_decode.unavailable_reason() is None):
+            # (int8 pools, the only ones with scales, are not bf16 bits: why_not says so)
+            if paged_decode.why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2],
+                                    soft_cap) is None:
                 # bf16 pages on a CPU with AVX512-BF16: one custom call per layer instead of
                 # dozens of small ops; the same function lowered for another platform keeps
                 # the jnp path.
@@ -75,14 +76,8 @@ class WorkListBackend(AttentionBackend):
         return attend
 
     def decode_kernel(self, pool_dtype, model_cfg) -> str:
-        if np.dtype(pool_dtype) != np.uint16:
-            return "jnp work lists (the pool is not bf16)"
-        if model_cfg.attn_soft_cap is not None:
-            return "jnp work lists (attention soft cap)"
-        group = model_cfg.num_heads // model_cfg.num_kv_heads
-        if group > paged_decode.MAX_GROUP or model_cfg.head_dim > paged_decode.MAX_HEAD_DIM:
-            return f"jnp work lists ({group} query heads per kv head, head_dim {model_cfg.head_dim})"
-        reason = paged_decode.unavailable_reason()
+        reason = paged_decode.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
+                                      model_cfg.head_dim, model_cfg.attn_soft_cap)
         return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
 
     def prefill_attend(self, meta, scale):
