@@ -9,7 +9,9 @@ answer the requests in-process (an httpx transport).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import time
@@ -183,6 +185,30 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
     `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
     base = normalize_base(base)
     extra_body = extra_body or {}
+    with _heap_frozen():
+        return await _run_load(base, workload, rate, max_concurrency, api, model, goodput,
+                               health_interval, max_tokens_field, extra_body, api_key, clock,
+                               transport)
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """The process's objects out of the collector's reach for the run: a full collection walks
+    every live object and holds every thread meanwhile, so in a process holding a large heap
+    (a model, a test session) one pass delays the sends and the stream reads by hundreds of
+    ms, and the figures would time the collector. (vLLM's engine core freezes its start-up
+    heap for the same reason.)"""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,
+                    health_interval, max_tokens_field, extra_body, api_key, clock,
+                    transport) -> dict:
     async with _client(None, api_key, transport) as client, \
             _client(4, transport=transport) as health_client:
         model = model or await served_model(client, base)

@@ -10,6 +10,7 @@ no wall-clock window a loaded machine could miss (only lower bounds: sleeps neve
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import math
@@ -201,6 +202,28 @@ def test_metrics_match_the_fake_timings():
     assert body["stream"] and body["ignore_eos"] and body["temperature"] == 0
     assert body["stream_options"] == {"include_usage": True}
     assert body["messages"][0]["role"] == "user"
+
+
+def test_the_heap_is_out_of_the_collectors_reach_while_requests_are_sent():
+    """A full collection holds every thread while it walks the heap (hundreds of ms in a test
+    session's or a model's process): the load generator freezes what is there before its
+    first send and unfreezes it after the last response."""
+    workload, clock, bodies = _workload(), FakeClock(), []
+    heap = [[i] for i in range(50_000)]      # objects the run must not leave to the collector
+    frozen_at_send = []
+
+    transport = fake_transport(clock, bodies)
+    answer = transport.handle_async_request
+
+    async def recording(request):
+        frozen_at_send.append(gc.get_freeze_count())
+        return await answer(request)
+    transport.handle_async_request = recording
+    asyncio.run(bench_serve.run_load("http://fake", workload, rate=math.inf, api="chat",
+                                     health_interval=None, clock=clock, transport=transport))
+    assert len(frozen_at_send) == 1 + len(workload)        # /v1/models, then each request
+    assert min(frozen_at_send) >= len(heap)
+    assert gc.get_freeze_count() == 0
 
 
 def test_all_at_once_against_a_socket_server(fake):
