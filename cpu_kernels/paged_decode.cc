@@ -1,18 +1,24 @@
-// Decode attention over a paged KV cache of bf16 pages, for CPUs with AVX512-BF16: an XLA FFI
-// custom call with the interface of `paged_decode_attention_xla`
-// (pallas_kernels/xla_paged_attention.py), which is also its reference.
+// Decode attention over a paged KV cache, for CPUs with AVX512-BF16: XLA FFI custom calls with
+// the interface of `paged_decode_attention_xla` (pallas_kernels/xla_paged_attention.py), which
+// is also their reference. Two handlers, one per pool element type:
 //
-//   q [B, H, D] bf16; k_pages, v_pages [KVH, N, bs, D] uint16 (bf16 bits, the CPU pool);
-//   item_slot [J], item_pages [J, PPI], item_first_pos [J] int32: a work list sorted by row
-//   (padding items have item_slot >= B); lengths [B] int32; window [1] int32 (a key at
+//   JaxbatchPagedDecode     q [B, H, D] bf16;  k_pages, v_pages [KVH, N, bs, D] uint16 (bf16
+//                           bits, the CPU's bf16 pool)
+//   JaxbatchPagedDecodeF32  q [B, H, D] f32;   k_pages, v_pages [KVH, N, bs, D] float32
+//
+//   both: item_slot [J], item_pages [J, PPI], item_first_pos [J] int32: a work list sorted by
+//   row (padding items have item_slot >= B); lengths [B] int32; window [1] int32 (a key at
 //   position p is seen by row r when lengths[r] - window <= p < lengths[r]); scale [1] f32.
 //   -> out [B, H, D] float32.
 //
 // One unit of work is (row, kv head): its G = H / KVH query heads walk the row's items in
-// order, 16 keys at a time, with an online softmax in float32; q.K is bf16 x bf16 with float32
-// accumulation (`vdpbf16ps`), p.V float32. A row's result depends on its own keys only, in a
-// fixed order, whatever the batch. Units are claimed through an atomic counter by the calling
-// thread and helpers on XLA's intra-op thread pool.
+// order, 16 keys at a time, with an online softmax in float32. q.K accumulates in float32
+// (`vdpbf16ps` on bf16 pages, FMAs on float32 ones). p.V on bf16 pages is also `vdpbf16ps`,
+// over the probabilities rounded to bf16 (as prefill's p.V does) and values interleaved two
+// keys at a time; on float32 pages it is float32 FMAs. A row's result depends on its own keys
+// only, in a fixed order, whatever the batch. Units are claimed through an atomic counter by
+// the calling thread and helpers on XLA's intra-op thread pool; each claims its next unit
+// before it runs the current one, so that unit's first pages come from memory meanwhile.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -78,10 +84,107 @@ inline __m512 Bf16ToF32(const uint16_t* src, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// A pool element type's loads: bf16 bits (uint16_t) or float.
+template <typename T>
+struct Elems;
+
+template <>
+struct Elems<uint16_t> {
+  static constexpr int kAccWidth = 32;  // accumulator floats per block of D (see AccIndex)
+  // dots[i] += q[h, c-th 32 of D] . k[i, same]
+  static void Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n, __m512* dots) {
+    for (int64_t c = 0; c < D; c += 32) {
+      const int64_t rem = std::min<int64_t>(32, D - c);
+      const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(dm, q + c);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(dm, k + i * D + c);
+        dots[i] = _mm512_dpbf16_ps(dots[i], qv, kv);
+      }
+    }
+  }
+  // acc[h] += sum_i p[h][i] v[i], in key order two keys at a time: a pair's values interleaved
+  // (v[i][d], v[i + 1][d]) meet the pair's bf16 probabilities in one `vdpbf16ps`. Lanes of keys
+  // not seen are loaded as zeros (a pool's unused slots may hold anything, NaN included).
+  // Accumulator float a of a block of 32 holds d = AccIndex(a) (the unpacks' lane order).
+  static void AccumulatePV(const __m512* probs, int64_t G, const uint16_t* v, int64_t D,
+                           int64_t n, __mmask16 valid, float (*acc)[kMaxHeadDim]) {
+    alignas(64) uint32_t pairs[kMaxGroup][8];   // bf16 (p[2k], p[2k + 1]) per pair k
+    for (int64_t h = 0; h < G; ++h)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]),
+                         (__m256i)_mm512_cvtneps_pbh(probs[h]));
+    for (int64_t c = 0; c < D; c += 32) {
+      const int64_t rem = std::min<int64_t>(32, D - c);
+      const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
+      __m512 lo[kMaxGroup], hi[kMaxGroup];
+      for (int64_t h = 0; h < G; ++h) {
+        lo[h] = _mm512_load_ps(acc[h] + c);
+        hi[h] = _mm512_load_ps(acc[h] + c + 16);
+      }
+      for (int64_t i = 0; i < n; i += 2) {
+        const __mmask32 m0 = (valid >> i) & 1 ? dm : 0;
+        const __mmask32 m1 = i + 1 < n && ((valid >> (i + 1)) & 1) ? dm : 0;
+        if (!(m0 | m1)) continue;
+        const __m512i v0 = _mm512_maskz_loadu_epi16(m0, v + i * D + c);
+        const __m512i v1 = _mm512_maskz_loadu_epi16(m1, v + (i + 1) * D + c);
+        const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int64_t h = 0; h < G; ++h) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][i / 2]));
+          lo[h] = _mm512_dpbf16_ps(lo[h], vlo, pp);
+          hi[h] = _mm512_dpbf16_ps(hi[h], vhi, pp);
+        }
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        _mm512_store_ps(acc[h] + c, lo[h]);
+        _mm512_store_ps(acc[h] + c + 16, hi[h]);
+      }
+    }
+  }
+  // Accumulator float a (of a block of 32) -> d: unpacklo/hi take quarters of each 128-bit lane.
+  static int64_t AccIndex(int64_t a) {
+    const int64_t block = a & ~int64_t{31}, half = (a >> 4) & 1, lane = a & 15;
+    return block + 8 * (lane >> 2) + 4 * half + (lane & 3);
+  }
+};
+
+template <>
+struct Elems<float> {
+  static constexpr int kAccWidth = 16;
+  static void Dots(const float* q, const float* k, int64_t D, int64_t n, __m512* dots) {
+    for (int64_t c = 0; c < D; c += 16) {
+      const __mmask16 dm = FirstLanes(D - c);
+      const __m512 qv = _mm512_maskz_loadu_ps(dm, q + c);
+      for (int64_t i = 0; i < n; ++i)
+        dots[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(dm, k + i * D + c), dots[i]);
+    }
+  }
+  // acc[h] += sum_i p[h][i] v[i], keys in order, the G accumulators in registers meanwhile.
+  static void AccumulatePV(const __m512* probs, int64_t G, const float* v, int64_t D, int64_t n,
+                           __mmask16 valid, float (*acc)[kMaxHeadDim]) {
+    alignas(64) float pw[kMaxGroup][16];
+    for (int64_t h = 0; h < G; ++h) _mm512_store_ps(pw[h], probs[h]);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 dm = FirstLanes(D - d);
+      __m512 a[kMaxGroup];
+      for (int64_t h = 0; h < G; ++h) a[h] = _mm512_load_ps(acc[h] + d);
+      for (int64_t i = 0; i < n; ++i) {
+        if (!((valid >> i) & 1)) continue;
+        const __m512 vv = _mm512_maskz_loadu_ps(dm, v + i * D + d);
+        for (int64_t h = 0; h < G; ++h)
+          a[h] = _mm512_fmadd_ps(_mm512_set1_ps(pw[h][i]), vv, a[h]);
+      }
+      for (int64_t h = 0; h < G; ++h) _mm512_store_ps(acc[h] + d, a[h]);
+    }
+  }
+  static int64_t AccIndex(int64_t a) { return a; }
+};
+
+template <typename T>
 struct Problem {
-  const uint16_t* q;
-  const uint16_t* k;
-  const uint16_t* v;
+  const T* q;
+  const T* k;
+  const T* v;
   const int32_t* item_slot;
   const int32_t* item_pages;
   const int32_t* item_first_pos;
@@ -94,25 +197,37 @@ struct Problem {
 };
 
 // Every cache line of item `it`'s pages (kv head g) that hold keys before `length`.
-template <int Hint>
-void PrefetchItem(const Problem& p, int64_t g, int64_t it, int64_t length) {
+template <int Hint, typename T>
+void PrefetchItem(const Problem<T>& p, int64_t g, int64_t it, int64_t length) {
   const int64_t bs = p.block_size, D = p.head_dim;
+  constexpr int64_t kPerLine = 64 / sizeof(T);
   for (int64_t j = 0; j < p.pages_per_item; ++j) {
     const int64_t used = std::min<int64_t>(bs, length - (p.item_first_pos[it] + j * bs));
     if (used <= 0) break;
     const int64_t page = p.item_pages[it * p.pages_per_item + j];
     if (page < 0 || page >= p.num_pages) continue;
     const int64_t base = (g * p.num_pages + page) * bs * D;
-    for (int64_t b = 0; b < used * D; b += 32) {
+    for (int64_t b = 0; b < used * D; b += kPerLine) {
       _mm_prefetch(reinterpret_cast<const char*>(p.k + base + b), static_cast<_mm_hint>(Hint));
       _mm_prefetch(reinterpret_cast<const char*>(p.v + base + b), static_cast<_mm_hint>(Hint));
     }
   }
 }
 
+// The first item of unit u (row u / KVH, kv head u % KVH), if the row has one.
+template <int Hint, typename T>
+void PrefetchUnit(const Problem<T>& p, int64_t u) {
+  const int64_t row = u / p.kv_heads;
+  if (p.item_count[row] > 0)
+    PrefetchItem<Hint>(p, u % p.kv_heads, p.first_item[row], p.lengths[row]);
+}
+
 // Row `row`, kv head `g`: out[row, g * G : (g + 1) * G, :].
-void Unit(const Problem& p, int64_t row, int64_t g) {
+template <typename T>
+void Unit(const Problem<T>& p, int64_t row, int64_t g) {
+  using E = Elems<T>;
   const int64_t D = p.head_dim, G = p.heads / p.kv_heads, bs = p.block_size;
+  const int64_t width = (D + E::kAccWidth - 1) / E::kAccWidth * E::kAccWidth;
   float* out = p.out + (row * p.heads + g * G) * D;
   const int64_t length = p.lengths[row];
   const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
@@ -121,10 +236,9 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
   for (int64_t h = 0; h < G; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.0f;
-    std::fill(acc[h], acc[h] + D, 0.0f);
+    std::fill(acc[h], acc[h] + width, 0.0f);
   }
-  const uint16_t* q = p.q + (row * p.heads + g * G) * D;
-  const int64_t dchunks = (D + 31) / 32;
+  const T* q = p.q + (row * p.heads + g * G) * D;
   const int64_t end_item = p.first_item[row] + p.item_count[row];
   if (p.item_count[row] > 0) PrefetchItem<_MM_HINT_T0>(p, g, p.first_item[row], length);
   for (int64_t it = p.first_item[row]; it < end_item; ++it) {
@@ -137,8 +251,8 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
       if (page_pos >= length) break;
       if (page < 0 || page >= p.num_pages) continue;     // never from the engine: no stray read
       if (page_pos + bs <= lo) continue;
-      const uint16_t* kp = p.k + ((g * p.num_pages + page) * bs) * D;
-      const uint16_t* vp = p.v + ((g * p.num_pages + page) * bs) * D;
+      const T* kp = p.k + ((g * p.num_pages + page) * bs) * D;
+      const T* vp = p.v + ((g * p.num_pages + page) * bs) * D;
       for (int64_t t0 = 0; t0 < bs; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, bs - t0);
         __mmask16 valid = 0;
@@ -151,16 +265,7 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
         for (int64_t h = 0; h < G; ++h) {
           __m512 dots[16];
           for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-          for (int64_t c = 0; c < dchunks; ++c) {
-            const int64_t rem = std::min<int64_t>(32, D - 32 * c);
-            const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
-            const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(dm, q + h * D + 32 * c);
-            for (int64_t i = 0; i < n; ++i) {
-              const __m512bh kv =
-                  (__m512bh)_mm512_maskz_loadu_epi16(dm, kp + (t0 + i) * D + 32 * c);
-              dots[i] = _mm512_dpbf16_ps(dots[i], qv, kv);
-            }
-          }
+          E::Dots(q + h * D, kp + t0 * D, D, n, dots);
           const __m512 scores = _mm512_mask_blend_ps(
               valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
               _mm512_mul_ps(Reduce16(dots), _mm512_set1_ps(p.scale)));
@@ -171,71 +276,63 @@ void Unit(const Problem& p, int64_t row, int64_t g) {
           l[h] = l[h] * correction + _mm512_reduce_add_ps(pr);
           if (correction != 1.0f) {
             const __m512 cv = _mm512_set1_ps(correction);
-            for (int64_t d = 0; d < D; d += 16) {
-              const __mmask16 dm = FirstLanes(D - d);
-              _mm512_mask_storeu_ps(acc[h] + d, dm,
-                                    _mm512_mul_ps(_mm512_maskz_loadu_ps(dm, acc[h] + d), cv));
-            }
+            for (int64_t d = 0; d < width; d += 16)
+              _mm512_store_ps(acc[h] + d, _mm512_mul_ps(_mm512_load_ps(acc[h] + d), cv));
           }
           m[h] = new_m;
           probs[h] = pr;
         }
-        alignas(64) float pw[kMaxGroup][16];
-        for (int64_t h = 0; h < G; ++h) _mm512_store_ps(pw[h], probs[h]);
-        // acc[h][d:d+16] += sum_i pw[h][i] * v[i][d:d+16], the G accumulators in registers
-        // while the block's keys pass, in key order.
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 dm = FirstLanes(D - d);
-          __m512 a[kMaxGroup];
-          for (int64_t h = 0; h < G; ++h) a[h] = _mm512_maskz_loadu_ps(dm, acc[h] + d);
-          for (int64_t i = 0; i < n; ++i) {
-            if (!(valid & (1u << i))) continue;
-            const __m512 vv = Bf16ToF32(vp + (t0 + i) * D + d, dm);
-            for (int64_t h = 0; h < G; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(pw[h][i]), vv, a[h]);
-          }
-          for (int64_t h = 0; h < G; ++h) _mm512_mask_storeu_ps(acc[h] + d, dm, a[h]);
-        }
+        E::AccumulatePV(probs, G, vp + t0 * D, D, n, valid, acc);
       }
     }
   }
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.0f / std::max(l[h], std::numeric_limits<float>::min());
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[h][d] * inv;
+    for (int64_t a = 0; a < width; ++a) {
+      const int64_t d = E::AccIndex(a);
+      if (d < D) out[h * D + d] = acc[h][a] * inv;
+    }
   }
 }
 
+template <typename T>
 struct Job {
-  Problem p;
+  Problem<T> p;
   int64_t units;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Work() {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+    int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+    while (u < units) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      if (after < units) PrefetchUnit<_MM_HINT_T1>(p, after);
       Unit(p, u / p.kv_heads, u % p.kv_heads);
       done.fetch_add(1, std::memory_order_release);
+      u = after;
     }
   }
 };
 
-using Bf16Array3 = ffi::Buffer<ffi::BF16, 3>;
-using PoolArray = ffi::Buffer<ffi::U16, 4>;
 using I32Vector = ffi::Buffer<ffi::S32, 1>;
 using I32Matrix = ffi::Buffer<ffi::S32, 2>;
 using F32Array3 = ffi::Buffer<ffi::F32, 3>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Bf16Array3 q, PoolArray k, PoolArray v,
-                           I32Vector item_slot, I32Matrix item_pages, I32Vector item_first_pos,
-                           I32Vector lengths, I32Vector window, F32Vector scale,
-                           ffi::Result<F32Array3> out) {
+// T: the pool's element type; Q, Pool: the FFI buffers of q and of the pages.
+template <typename T, typename Q, typename Pool>
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
+                           I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
+                           I32Vector window, F32Vector scale, ffi::Result<F32Array3> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  auto job = std::make_shared<Job>();
-  Problem& p = job->p;
-  p = Problem{reinterpret_cast<const uint16_t*>(q.typed_data()), k.typed_data(), v.typed_data(),
-              item_slot.typed_data(), item_pages.typed_data(), item_first_pos.typed_data(),
-              lengths.typed_data(), window.typed_data()[0], scale.typed_data()[0], out->typed_data(),
-              qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
+  auto job = std::make_shared<Job<T>>();
+  Problem<T>& p = job->p;
+  p = Problem<T>{reinterpret_cast<const T*>(q.typed_data()),
+                 reinterpret_cast<const T*>(k.typed_data()),
+                 reinterpret_cast<const T*>(v.typed_data()), item_slot.typed_data(),
+                 item_pages.typed_data(), item_first_pos.typed_data(), lengths.typed_data(),
+                 window.typed_data()[0], scale.typed_data()[0], out->typed_data(),
+                 qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
@@ -257,18 +354,31 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Bf16Array3 q, PoolArray k, Pool
   return ffi::Error::Success();
 }
 
+template <typename T, typename Q, typename Pool>
+constexpr auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<Q>()
+      .template Arg<Pool>()
+      .template Arg<Pool>()
+      .template Arg<I32Vector>()
+      .template Arg<I32Matrix>()
+      .template Arg<I32Vector>()
+      .template Arg<I32Vector>()
+      .template Arg<I32Vector>()
+      .template Arg<F32Vector>()
+      .template Ret<F32Array3>();
+}
+
+using Bf16Q = ffi::Buffer<ffi::BF16, 3>;
+using Bf16Pool = ffi::Buffer<ffi::U16, 4>;
+using F32Q = ffi::Buffer<ffi::F32, 3>;
+using F32Pool = ffi::Buffer<ffi::F32, 4>;
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecode, PagedDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Bf16Array3>()
-                                  .Arg<PoolArray>()
-                                  .Arg<PoolArray>()
-                                  .Arg<I32Vector>()
-                                  .Arg<I32Matrix>()
-                                  .Arg<I32Vector>()
-                                  .Arg<I32Vector>()
-                                  .Arg<I32Vector>()
-                                  .Arg<F32Vector>()
-                                  .Ret<F32Array3>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecode,
+                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool>),
+                              (Binding<uint16_t, Bf16Q, Bf16Pool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeF32, (PagedDecodeImpl<float, F32Q, F32Pool>),
+                              (Binding<float, F32Q, F32Pool>()));

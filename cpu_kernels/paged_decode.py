@@ -1,5 +1,5 @@
-"""Decode attention over bf16 KV pages on CPU (`paged_decode.cc`), with the interface of
-`pallas_kernels.xla_paged_attention.paged_decode_attention_xla`, its reference.
+"""Decode attention over bf16 or float32 KV pages on CPU (`paged_decode.cc`), with the
+interface of `pallas_kernels.xla_paged_attention.paged_decode_attention_xla`, its reference.
 
 XLA:CPU runs the reference as dozens of small ops per layer (gathers, batched dots of a few
 rows, masks, a fold); the kernel reads each row's keys and values once, in place, with an
@@ -8,8 +8,8 @@ online softmax, and gives each row the same result whatever the batch.
     unavailable_reason()   None where the kernel runs on this machine, else why not
     why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
                            None where it covers such a call here, else why the jnp path runs
-                           (pages not bf16 bits: float32 or int8; a soft cap; more than
-                           MAX_GROUP query heads per kv head; head_dim past MAX_HEAD_DIM)
+                           (int8 pages; a soft cap; more than MAX_GROUP query heads per kv
+                           head; head_dim past MAX_HEAD_DIM)
     paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
                            lengths, *, scale, window)  -> [B, H, D] in q's dtype
 """
@@ -20,18 +20,28 @@ import jax.numpy as jnp
 
 from cpu_kernels import availability
 
-SOURCE, SYMBOL, TARGET = "paged_decode.cc", "JaxbatchPagedDecode", "jaxbatch_paged_decode"
+SOURCE = "paged_decode.cc"
+# pool element type -> (handler symbol, FFI target, q's dtype): bf16 pages are uint16 bits
+_HANDLERS = {jnp.dtype(jnp.uint16): ("JaxbatchPagedDecode", "jaxbatch_paged_decode",
+                                     jnp.bfloat16),
+             jnp.dtype(jnp.float32): ("JaxbatchPagedDecodeF32", "jaxbatch_paged_decode_f32",
+                                      jnp.float32)}
+TARGETS = tuple(target for _, target, _ in _HANDLERS.values())
 NO_WINDOW = 2 ** 30
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 
 
 def unavailable_reason() -> str | None:
-    return availability.unavailable_reason(SOURCE, SYMBOL, TARGET)
+    for symbol, target, _ in _HANDLERS.values():
+        reason = availability.unavailable_reason(SOURCE, symbol, target)
+        if reason:
+            return reason
+    return None
 
 
 def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
-    if jnp.dtype(pool_dtype) != jnp.uint16:
-        return f"{jnp.dtype(pool_dtype).name} pages, not bf16 bits"
+    if jnp.dtype(pool_dtype) not in _HANDLERS:
+        return f"{jnp.dtype(pool_dtype).name} pages, neither bf16 bits nor float32"
     if soft_cap is not None:
         return "attention soft cap"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
@@ -47,11 +57,12 @@ def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str
 def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos, lengths,
                            *, scale=None, window=None):
     uncovered = _uncovered(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], None)
-    if uncovered or q.dtype != jnp.bfloat16:
-        raise ValueError(f"paged_decode: bf16 q [B, H, D] and a uint16 pool expected, got "
-                         f"{q.dtype} {q.shape}, {k_pages.dtype} {k_pages.shape}"
-                         f"{f' ({uncovered})' if uncovered else ''}")
-    reason = availability.register(SOURCE, SYMBOL, TARGET)
+    if uncovered or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"paged_decode: q [B, H, D] and bf16-bit or float32 pools expected, "
+                         f"got {q.dtype} {q.shape}, {k_pages.dtype} {k_pages.shape}, "
+                         f"{v_pages.dtype}{f' ({uncovered})' if uncovered else ''}")
+    symbol, target, q_dtype = _HANDLERS[jnp.dtype(k_pages.dtype)]
+    reason = availability.register(SOURCE, symbol, target)
     if reason:
         raise RuntimeError(f"paged_decode cannot run here: {reason}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -59,7 +70,8 @@ def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_firs
     scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
-    result = jax.ffi.ffi_call(TARGET, out)(
-        q, k_pages, v_pages, i32(item_slot), i32(item_pages), i32(item_first_pos), i32(lengths),
-        window, scale)
+    # q in the keys' dtype, as the reference multiplies them
+    result = jax.ffi.ffi_call(target, out)(
+        q.astype(q_dtype), k_pages, v_pages, i32(item_slot), i32(item_pages),
+        i32(item_first_pos), i32(lengths), window, scale)
     return result.astype(q.dtype)

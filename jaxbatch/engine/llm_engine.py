@@ -373,7 +373,7 @@ class LLMEngine(EngineBase):
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
             # What dtype="auto" chose (model/precision.py): the embedding's (matrices may be int8)
             "dtype": str(self.runner.params["embed"].dtype),
-            # On CPU, bf16 pages: our kernel (cpu_kernels/), else the jnp path and why
+            # On CPU, bf16 or float32 pages: our kernel (cpu_kernels/), else the jnp path and why
             "decode_attention": self.runner.attention.decode_kernel(self.runner.pool[0].dtype,
                                                                     self.runner.model_cfg),
             # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)

@@ -40,7 +40,7 @@ _TRACED_SOURCES = ("jaxbatch/model", "pallas_kernels", "cpu_kernels", "jaxbatch/
 _FORMAT = 1
 # Our CPU kernels' custom calls (cpu_kernels/): registered in-process before a step holding one
 # is traced, so a stored step may keep them.
-_OUR_CUSTOM_CALLS = [export.DisabledSafetyCheck.custom_call(paged_decode.TARGET)]
+_OUR_CUSTOM_CALLS = [export.DisabledSafetyCheck.custom_call(t) for t in paged_decode.TARGETS]
 
 
 @functools.lru_cache(maxsize=1)

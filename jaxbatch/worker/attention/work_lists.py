@@ -63,10 +63,10 @@ class WorkListBackend(AttentionBackend):
             args = (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths)
             jnp_path = lambda *a: xla_paged_attention.paged_decode_attention_xla(
                 *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
-            # (int8 pools, the only ones with scales, are not bf16 bits: why_not says so)
+            # (int8 pools, the only ones with scales, are not covered: why_not says so)
             if paged_decode.why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2],
                                     soft_cap) is None:
-                # bf16 pages on a CPU with AVX512-BF16: one custom call per layer instead of
+                # bf16 or float32 pages on a CPU with AVX512-BF16: one custom call per layer, not
                 # dozens of small ops; the same function lowered for another platform keeps
                 # the jnp path.
                 kernel = lambda *a: paged_decode.paged_decode_attention(
