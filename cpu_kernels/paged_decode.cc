@@ -92,7 +92,9 @@ template <>
 struct Elems<uint16_t> {
   static constexpr int kAccWidth = 32;  // accumulator floats per block of D (see AccIndex)
   // dots[i] += q[h, c-th 32 of D] . k[i, same]
-  static void Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n, __m512* dots) {
+  template <int kN>
+  static void Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n_, __m512* dots) {
+    const int64_t n = kN ? kN : n_;
     for (int64_t c = 0; c < D; c += 32) {
       const int64_t rem = std::min<int64_t>(32, D - c);
       const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
@@ -107,8 +109,10 @@ struct Elems<uint16_t> {
   // (v[i][d], v[i + 1][d]) meet the pair's bf16 probabilities in one `vdpbf16ps`. Lanes of keys
   // not seen are loaded as zeros (a pool's unused slots may hold anything, NaN included).
   // Accumulator float a of a block of 32 holds d = AccIndex(a) (the unpacks' lane order).
-  static void AccumulatePV(const __m512* probs, int64_t G, const uint16_t* v, int64_t D,
+  template <int kG>
+  static void AccumulatePV(const __m512* probs, int64_t G_, const uint16_t* v, int64_t D,
                            int64_t n, __mmask16 valid, float (*acc)[kMaxHeadDim]) {
+    const int64_t G = kG ? kG : G_;
     alignas(64) uint32_t pairs[kMaxGroup][8];   // bf16 (p[2k], p[2k + 1]) per pair k
     for (int64_t h = 0; h < G; ++h)
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]),
@@ -151,7 +155,9 @@ struct Elems<uint16_t> {
 template <>
 struct Elems<float> {
   static constexpr int kAccWidth = 16;
-  static void Dots(const float* q, const float* k, int64_t D, int64_t n, __m512* dots) {
+  template <int kN>
+  static void Dots(const float* q, const float* k, int64_t D, int64_t n_, __m512* dots) {
+    const int64_t n = kN ? kN : n_;
     for (int64_t c = 0; c < D; c += 16) {
       const __mmask16 dm = FirstLanes(D - c);
       const __m512 qv = _mm512_maskz_loadu_ps(dm, q + c);
@@ -160,8 +166,10 @@ struct Elems<float> {
     }
   }
   // acc[h] += sum_i p[h][i] v[i], keys in order, the G accumulators in registers meanwhile.
-  static void AccumulatePV(const __m512* probs, int64_t G, const float* v, int64_t D, int64_t n,
+  template <int kG>
+  static void AccumulatePV(const __m512* probs, int64_t G_, const float* v, int64_t D, int64_t n,
                            __mmask16 valid, float (*acc)[kMaxHeadDim]) {
+    const int64_t G = kG ? kG : G_;
     alignas(64) float pw[kMaxGroup][16];
     for (int64_t h = 0; h < G; ++h) _mm512_store_ps(pw[h], probs[h]);
     for (int64_t d = 0; d < D; d += 16) {
@@ -222,11 +230,12 @@ void PrefetchUnit(const Problem<T>& p, int64_t u) {
     PrefetchItem<Hint>(p, u % p.kv_heads, p.first_item[row], p.lengths[row]);
 }
 
-// Row `row`, kv head `g`: out[row, g * G : (g + 1) * G, :].
-template <typename T>
+// Row `row`, kv head `g`: out[row, g * G : (g + 1) * G, :]. kG: G known at compile time (its
+// loops unrolled, the per-head registers kept in registers), or 0 for any G.
+template <typename T, int kG>
 void Unit(const Problem<T>& p, int64_t row, int64_t g) {
   using E = Elems<T>;
-  const int64_t D = p.head_dim, G = p.heads / p.kv_heads, bs = p.block_size;
+  const int64_t D = p.head_dim, G = kG ? kG : p.heads / p.kv_heads, bs = p.block_size;
   const int64_t width = (D + E::kAccWidth - 1) / E::kAccWidth * E::kAccWidth;
   float* out = p.out + (row * p.heads + g * G) * D;
   const int64_t length = p.lengths[row];
@@ -265,7 +274,10 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
         for (int64_t h = 0; h < G; ++h) {
           __m512 dots[16];
           for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-          E::Dots(q + h * D, kp + t0 * D, D, n, dots);
+          if (valid == 0xFFFF)      // a full block of 16 keys: the loop over keys unrolled
+            E::template Dots<16>(q + h * D, kp + t0 * D, D, 16, dots);
+          else
+            E::template Dots<0>(q + h * D, kp + t0 * D, D, n, dots);
           const __m512 scores = _mm512_mask_blend_ps(
               valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
               _mm512_mul_ps(Reduce16(dots), _mm512_set1_ps(p.scale)));
@@ -282,7 +294,7 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
           m[h] = new_m;
           probs[h] = pr;
         }
-        E::AccumulatePV(probs, G, vp + t0 * D, D, n, valid, acc);
+        E::template AccumulatePV<kG>(probs, G, vp + t0 * D, D, n, valid, acc);
       }
     }
   }
@@ -292,6 +304,19 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
       const int64_t d = E::AccIndex(a);
       if (d < D) out[h * D + d] = acc[h][a] * inv;
     }
+  }
+}
+
+// Unit with G fixed at compile time for the common query groups.
+template <typename T>
+void RunUnit(const Problem<T>& p, int64_t row, int64_t g) {
+  switch (p.heads / p.kv_heads) {
+    case 1: return Unit<T, 1>(p, row, g);
+    case 2: return Unit<T, 2>(p, row, g);
+    case 3: return Unit<T, 3>(p, row, g);
+    case 4: return Unit<T, 4>(p, row, g);
+    case 8: return Unit<T, 8>(p, row, g);
+    default: return Unit<T, 0>(p, row, g);
   }
 }
 
@@ -307,7 +332,7 @@ struct Job {
     while (u < units) {
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       if (after < units) PrefetchUnit<_MM_HINT_T1>(p, after);
-      Unit(p, u / p.kv_heads, u % p.kv_heads);
+      RunUnit(p, u / p.kv_heads, u % p.kv_heads);
       done.fetch_add(1, std::memory_order_release);
       u = after;
     }
