@@ -219,7 +219,22 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     giving the same structure when every row is greedy; extra is appended to the outputs.
     What only some requests ask for (penalties, a grammar, tokens held back by min_tokens,
     logprobs) is a runtime branch a step without such a row skips: the log-softmax over the
-    vocabulary and the banned tokens' scatter are each a visible part of a CPU decode step."""
+    vocabulary and the banned tokens' scatter are each a visible part of a CPU decode step.
+    A call whose rows are all plain greedy takes the argmax of the logits as they are: each
+    optional step's untaken branch would still copy the [N, V] logits through its cond."""
+    plain_greedy = (jnp.all(s.temperature == 0.0) & ~s.any_penalties & ~s.any_bitmask
+                    & ~jnp.any(s.banned >= 0))
+    extra_zeros = () if all_greedy_choice is None else (jnp.zeros_like(logits),)
+    tokens, *extra = jax.lax.cond(
+        plain_greedy, lambda x, s_: (first_argmax(x),) + extra_zeros,
+        lambda x, s_: _choose(x, s_, random_choice, all_greedy_choice), logits, s)
+    logprobs = jax.lax.cond(s.any_token_logprob, _logprobs, _no_logprobs,
+                            logits, tokens, s.any_logprobs)
+    return (tokens,) + logprobs + tuple(extra)
+
+
+def _choose(logits, s: SamplingArrays, random_choice, all_greedy_choice):
+    """(tokens [N],) or (tokens, extra): `_sample`'s choice with every optional step."""
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
     processed = jax.lax.cond(jnp.any(s.banned >= 0), _hold_back, lambda x, b: x,
@@ -232,10 +247,7 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     else:
         sampled, probs = jax.lax.cond(all_greedy, all_greedy_choice, random_choice, processed, s)
         extra = (probs,)
-    tokens = jnp.where(s.temperature == 0.0, greedy, sampled)
-    logprobs = jax.lax.cond(s.any_token_logprob, _logprobs, _no_logprobs,
-                            logits, tokens, s.any_logprobs)
-    return (tokens,) + logprobs + extra
+    return (jnp.where(s.temperature == 0.0, greedy, sampled),) + extra
 
 
 def _hold_back(processed, banned):
