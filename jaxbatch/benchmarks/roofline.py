@@ -1,7 +1,8 @@
 """The engine's steps against the physical floor of this machine, measured in the same run:
 
     copy bandwidth   a jitted elementwise pass over a large array (bytes read + written / time)
-    GEMM peak        a large bf16 x bf16 -> f32 dot (the dtype policy's matmul), FLOP/s
+    GEMM peak        a large dot in the weights' dtype (bf16 x bf16 -> f32, or float32),
+                     FLOP/s: on a CPU without AMX a float32 dot runs at about half the rate
     decode floor     the larger of (weight bytes + KV bytes the step reads) / copy bandwidth
                      and the step's matmul FLOPs (layers and LM head) / GEMM peak: without
                      AMX a CPU's bf16 dots can be compute-bound at a few dozen rows
@@ -52,11 +53,11 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
     return 2 * nbytes / best
 
 
-def gemm_peak(n: int = 2048) -> float:
-    """FLOP/s of an n^3 bf16 x bf16 -> f32 dot."""
+def gemm_peak(dtype="bfloat16", n: int = 2048) -> float:
+    """FLOP/s of an n^3 `dtype` x `dtype` -> f32 dot."""
     import jax
     import jax.numpy as jnp
-    a = jnp.ones((n, n), jnp.bfloat16)
+    a = jnp.ones((n, n), dtype)
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     return 2 * n ** 3 / _best_seconds(dot, a, a)
 
@@ -141,14 +142,15 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/roofline")
     args = ap.parse_args(argv)
     loaded = load_bench_model(args)
-    bandwidth, peak = copy_bandwidth(), gemm_peak()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s",
+    dtype = loaded.params["embed"].dtype        # the matmuls' (int8 weights dequantize to it)
+    bandwidth, peak = copy_bandwidth(), gemm_peak(dtype)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s",
           flush=True)
     decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak)
                for rows in args.rows]
     prefill = prefill_chunk(loaded, args.prefill_tokens, peak)
     md = "\n\n".join([
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; bf16 GEMM peak {peak / 1e12:.2f} TFLOP/s; "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s; "
         f"{loaded.source}, weights {loaded.params['embed'].dtype}",
         table(["decode rows", "context", "step ms", "weights MB", "KV read MB",
                "bandwidth floor ms", "compute floor ms", "step / floor"],
@@ -161,7 +163,7 @@ def main(argv=None):
                 f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
     print(md)
     report = {"machine": machine_info(), "args": vars(args), "copy_bandwidth_bytes_s": bandwidth,
-              "gemm_peak_flop_s": peak, "decode": decodes, "prefill": prefill}
+              "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype), "decode": decodes, "prefill": prefill}
     for path in write_report(args.out, "roofline", report, md):
         print("wrote", path)
     return 0

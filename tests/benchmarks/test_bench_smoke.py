@@ -222,6 +222,8 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
                           "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "roofline.json").read_text())
     assert report["copy_bandwidth_bytes_s"] > 1e8 and report["gemm_peak_flop_s"] > 1e8
+    # the peak is measured in the weights' dtype (a float32 model's floor at float32's rate)
+    assert f"weights {report['gemm_dtype']}" in (tmp_path / "roofline.md").read_text()
     (dec,) = report["decode"]
     assert dec["rows"] == 4 and dec["kv_mb"] > 0 and dec["step_over_floor"] > 0
     # tiny: 2 layers, 4 KV heads' worth of head_dim 16 in bf16, every length in (32, 64]
@@ -235,6 +237,16 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
     assert dec["bound"] == ("compute" if dec["compute_floor_ms"] > dec["bandwidth_floor_ms"]
                             else "bandwidth")
     assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0
+
+
+def test_roofline_gemm_peak_multiplies_in_the_dtype_it_is_given(monkeypatch):
+    from jaxbatch.benchmarks import roofline
+    seen = []
+    monkeypatch.setattr(roofline, "_best_seconds",
+                        lambda fn, *args, **kw: seen.append(args[0].dtype) or 1.0)
+    assert roofline.gemm_peak("float32", n=8) == 2 * 8 ** 3
+    assert roofline.gemm_peak("bfloat16", n=8) == 2 * 8 ** 3
+    assert [str(d) for d in seen] == ["float32", "bfloat16"]
 
 
 def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():
