@@ -14,11 +14,13 @@
 // One unit of work is (row, kv head): its G = H / KVH query heads walk the row's items in
 // order, 16 keys at a time, with an online softmax in float32. q.K accumulates in float32
 // (`vdpbf16ps` on bf16 pages, FMAs on float32 ones). p.V on bf16 pages is also `vdpbf16ps`,
-// over the probabilities rounded to bf16 (as prefill's p.V does) and values interleaved two
-// keys at a time; on float32 pages it is float32 FMAs. A row's result depends on its own keys
-// only, in a fixed order, whatever the batch. Units are claimed through an atomic counter by
-// the calling thread and helpers on XLA's intra-op thread pool; each claims its next unit
-// before it runs the current one, so that unit's first pages come from memory meanwhile.
+// over the probabilities rounded to bf16 (as prefill's p.V does; the softmax's sum stays
+// float32, so the result differs from the reference's float32 p.V by about a bf16 step) and
+// values interleaved two keys at a time; on float32 pages it is float32 FMAs. A row's result
+// depends on its own keys only, in a fixed order, whatever the batch. Units are claimed
+// through an atomic counter by the calling thread and helpers on XLA's intra-op thread pool;
+// while enough are left, each claims its next unit before it runs the current one, so that
+// unit's first pages come from memory meanwhile.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -324,17 +326,24 @@ template <typename T>
 struct Job {
   Problem<T> p;
   int64_t units;
+  int64_t workers;  // the calling thread and its helpers
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Work() {
     int64_t u = next.fetch_add(1, std::memory_order_relaxed);
     while (u < units) {
-      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
-      if (after < units) PrefetchUnit<_MM_HINT_T1>(p, after);
+      // The next unit is claimed now, its pages prefetched while this one runs, only while
+      // every worker still has units ahead: near the end a unit held ahead would wait while
+      // another thread found nothing left.
+      int64_t after = -1;
+      if (next.load(std::memory_order_relaxed) + workers <= units) {
+        after = next.fetch_add(1, std::memory_order_relaxed);
+        if (after < units) PrefetchUnit<_MM_HINT_T1>(p, after);
+      }
       RunUnit(p, u / p.kv_heads, u % p.kv_heads);
       done.fetch_add(1, std::memory_order_release);
-      u = after;
+      u = after >= 0 ? after : next.fetch_add(1, std::memory_order_relaxed);
     }
   }
 };
@@ -373,6 +382,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector 
   }
   job->units = p.batch * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
+  job->workers = std::max<int64_t>(helpers, 0) + 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();

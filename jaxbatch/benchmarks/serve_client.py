@@ -197,13 +197,22 @@ def _heap_frozen():
     every live object and holds every thread meanwhile, so in a process holding a large heap
     (a model, a test session) one pass delays the sends and the stream reads by hundreds of
     ms, and the figures would time the collector. (vLLM's engine core freezes its start-up
-    heap for the same reason.)"""
-    gc.collect()
-    gc.freeze()
+    heap for the same reason.) Runs inside runs, and a process that froze its heap itself,
+    keep theirs: only the outermost run that froze unfreezes."""
+    ours = _frozen_runs[0] == 0 and gc.get_freeze_count() == 0
+    if ours:
+        gc.collect()
+        gc.freeze()
+    _frozen_runs[0] += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _frozen_runs[0] -= 1
+        if ours:
+            gc.unfreeze()
+
+
+_frozen_runs = [0]      # runs in progress under _heap_frozen
 
 
 async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,

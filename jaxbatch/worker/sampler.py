@@ -224,9 +224,11 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
     optional step's untaken branch would still copy the [N, V] logits through its cond."""
     plain_greedy = (jnp.all(s.temperature == 0.0) & ~s.any_penalties & ~s.any_bitmask
                     & ~jnp.any(s.banned >= 0))
-    extra_zeros = () if all_greedy_choice is None else (jnp.zeros_like(logits),)
+
+    def plain(x, s_):
+        return (first_argmax(x),) + (() if all_greedy_choice is None else (jnp.zeros_like(x),))
     tokens, *extra = jax.lax.cond(
-        plain_greedy, lambda x, s_: (first_argmax(x),) + extra_zeros,
+        plain_greedy, plain,
         lambda x, s_: _choose(x, s_, random_choice, all_greedy_choice), logits, s)
     logprobs = jax.lax.cond(s.any_token_logprob, _logprobs, _no_logprobs,
                             logits, tokens, s.any_logprobs)

@@ -224,6 +224,16 @@ def test_the_heap_is_out_of_the_collectors_reach_while_requests_are_sent():
     assert len(frozen_at_send) == 1 + len(workload)        # /v1/models, then each request
     assert min(frozen_at_send) >= len(heap)
     assert gc.get_freeze_count() == 0
+    # A process that froze its heap itself keeps it frozen after a run.
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        asyncio.run(bench_serve.run_load("http://fake", workload, rate=math.inf, api="chat",
+                                         health_interval=None, clock=clock,
+                                         transport=fake_transport(clock, bodies)))
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_all_at_once_against_a_socket_server(fake):

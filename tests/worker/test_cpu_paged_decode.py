@@ -33,6 +33,9 @@ CASES = [
     (23, 8, 2, 64, 32, 12, 8),      # GQA 4, long slots across items
     (24, 4, 2, 16, 16, 0, 1),       # the tiny test model's head_dim: a partial D chunk
     (25, 32, 8, 128, 16, 5, 4),     # Llama-3.1-8B's heads
+    (26, 16, 2, 80, 8, 2, 4),       # GQA 8; head_dim 80: a partial 32-block after a full one;
+                                    # pages of 8 keys: every block of keys short
+    (27, 12, 2, 96, 16, 1, 2),      # GQA 6: the group not fixed at compile time; 3 blocks of D
 ]
 
 
@@ -127,12 +130,12 @@ def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeyp
     target = paged_decode.TARGETS[0 if dtype == jnp.bfloat16 else 1]
     with_kernel = _tiny_engine(dtype)
     assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
-    assert target in _decode_text(with_kernel)
+    assert f'"{target}"' in _decode_text(with_kernel)      # the exact target name
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
     plain = _tiny_engine(dtype)
     assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["decode_attention"]
-    assert target not in _decode_text(plain)
+    assert f'"{target}"' not in _decode_text(plain)
     refs = run_all(plain, prompts, params)
     agree = 0
     for out, ref in zip(outs, refs):
