@@ -81,11 +81,6 @@ inline __mmask16 FirstLanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
-inline __m512 Bf16ToF32(const uint16_t* src, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // A pool element type's loads: bf16 bits (uint16_t) or float.
 template <typename T>
 struct Elems;

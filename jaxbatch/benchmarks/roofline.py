@@ -151,7 +151,7 @@ def main(argv=None):
     prefill = prefill_chunk(loaded, args.prefill_tokens, peak)
     md = "\n\n".join([
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s; "
-        f"{loaded.source}, weights {loaded.params['embed'].dtype}",
+        f"{loaded.source}, weights {dtype}",
         table(["decode rows", "context", "step ms", "weights MB", "KV read MB",
                "bandwidth floor ms", "compute floor ms", "step / floor"],
               [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['weight_mb']:.0f}",
@@ -163,7 +163,8 @@ def main(argv=None):
                 f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
     print(md)
     report = {"machine": machine_info(), "args": vars(args), "copy_bandwidth_bytes_s": bandwidth,
-              "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype), "decode": decodes, "prefill": prefill}
+              "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype), "decode": decodes,
+              "prefill": prefill}
     for path in write_report(args.out, "roofline", report, md):
         print("wrote", path)
     return 0

@@ -191,6 +191,9 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
                                transport)
 
 
+_frozen_runs = [0]      # runs in progress under _heap_frozen
+
+
 @contextlib.contextmanager
 def _heap_frozen():
     """The process's objects out of the collector's reach for the run: a full collection walks
@@ -210,9 +213,6 @@ def _heap_frozen():
         _frozen_runs[0] -= 1
         if ours:
             gc.unfreeze()
-
-
-_frozen_runs = [0]      # runs in progress under _heap_frozen
 
 
 async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,
