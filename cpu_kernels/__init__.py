@@ -5,8 +5,11 @@ result cached by source, flags and jaxlib version), with a Python wrapper that v
 operands and says why it cannot run where it cannot (`unavailable_reason`); its reference is
 the plain-jnp function it replaces, which the caller uses wherever the kernel is unavailable.
 
-    paged_decode   decode attention over bf16 KV pages (reference:
+    paged_decode   decode attention over bf16 or float32 KV pages (reference:
                    pallas_kernels.xla_paged_attention.paged_decode_attention_xla)
+    packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
+                   (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
+                   packs the weights)
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
 """

@@ -10,8 +10,9 @@ engine, no overlap); prefill: one chunk of a second request (the first compiled 
 Each op's time is the sum of its trace events over the traced steps, divided by the steps;
 the tracer adds its own cost, so compare ops within one run, not against an untraced step.
 An op's class says what it is for: `dot` (an XNNPACK / ynn fusion: matmuls and attention's
-batched dots), `switched dot` (a `lax.switch` picking one layer's matrix on CPU, timed as one
-event with the dot inside it), `weight copy` (a slice of a stacked layer matrix copied out
+batched dots), `gemm kernel` / `decode kernel` (our CPU kernels' custom calls),
+`switched dot` (a `lax.switch` picking one layer's matrix on CPU, timed as one event with the
+dot or GEMM call inside it), `weight copy` (a slice of a stacked layer matrix copied out
 before its dot), `gather` (KV pages), `loop` (the attention's while loop, wrapping the ops
 inside it), `other`.
 """
@@ -49,6 +50,9 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
         if opcode == "fusion":
             kind = re.search(r'"kind":"(\w+)"', line) or re.search(r"kind=(\w+)", line)
             opcode = f"fusion:{kind.group(1)}" if kind else "fusion"
+        elif opcode == "custom-call":
+            target = re.search(r'custom_call_target="([\w.\-]+)"', line)
+            opcode = f"custom-call:{target.group(1)}" if target else opcode
         ops[name] = (re.sub(r"\{[^}]*\}", "", shape), opcode)
     return ops
 
@@ -65,6 +69,10 @@ def executable_ops(compiled: dict, keys) -> dict[str, tuple[str, str]]:
 def op_class(name: str, shape: str, opcode: str, weight_shapes: set[str]) -> str:
     if "ynn" in opcode or "xnn" in opcode or opcode == "dot" or name.startswith(("ynn", "xnn")):
         return "dot"
+    if "jaxbatch_packed_gemm" in opcode:
+        return "gemm kernel"
+    if "jaxbatch_paged_decode" in opcode:
+        return "decode kernel"
     if opcode == "while" or name.startswith("while"):
         return "loop"
     if opcode == "conditional" or name.startswith("cond."):

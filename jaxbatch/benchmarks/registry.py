@@ -35,6 +35,8 @@ BENCHMARKS = {
     "roofline": ("roofline", "decode and prefill steps against the copy-bandwidth and GEMM-peak "
                              "floors measured in the same run"),
     "ops": ("ops", "one decode step and one prefill chunk op by op (XLA's profiler, HLO shapes)"),
+    "gemm": ("gemm", "our CPU GEMM kernel over packed weights against XLA's dot, per matrix "
+                     "and row count"),
     "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),

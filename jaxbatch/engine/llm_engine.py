@@ -31,7 +31,7 @@ from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
 from jaxbatch.lora.request import lora_cache_salt
-from jaxbatch.model import precision
+from jaxbatch.model import precision, storage
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
@@ -376,6 +376,7 @@ class LLMEngine(EngineBase):
             # On CPU, bf16 or float32 pages: our kernel (cpu_kernels/), else the jnp path and why
             "decode_attention": self.runner.attention.decode_kernel(self.runner.pool[0].dtype,
                                                                     self.runner.model_cfg),
+            "matmuls": storage.matmuls(self.runner.params),   # our CPU GEMM kernel, or XLA's
             # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,

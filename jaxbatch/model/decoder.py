@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model import fused, precision
+from jaxbatch.model import fused, precision, storage
 from jaxbatch.model.config import NO_WINDOW, ModelConfig
 from jaxbatch.model.layers import (AttendFn, _dense, attention_block, mlp_block, moe_block,
                                    rms_norm, unsharded)
@@ -68,11 +68,11 @@ def stack_layers(params: dict, matrices_per_layer: bool | None = None) -> dict:
     as a tuple of L arrays; None: the platform's default (see the module doc). Vectors and
     expert stacks are always stacked. Numpy or jax arrays. A layers dict is kept as it is,
     except that `matrices_per_layer=False` stacks its per-layer matrices (in any
-    `precision.to_storage` form, fused ones split back into their parts)."""
+    `storage.prepare` form, fused ones split back into their parts, a packed head unpacked)."""
     layers = params["layers"]
     if isinstance(layers, dict):
         if matrices_per_layer is False:
-            return {**params, "layers": {name: _stack([w if is_quantized(w) else
+            return {**storage.unpack(params), "layers": {name: _stack([w if is_quantized(w) else
                                                         precision.as_float(w) for w in value])
                                          if isinstance(value, tuple) else value
                                          for name, value in fused.unfuse(layers).items()}}

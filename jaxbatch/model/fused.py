@@ -84,7 +84,8 @@ def unfuse(layers: dict) -> dict:
         if name not in layers:
             continue
         bounds = np.cumsum((0,) + part_widths(layers, name))
-        per_part = {p: tuple({precision.OUT_IN: w[precision.OUT_IN][lo:hi]} for w in layers[name])
+        per_part = {p: tuple({precision.OUT_IN: precision.out_in(w)[precision.OUT_IN][lo:hi]}
+                             for w in layers[name])
                     for p, lo, hi in zip(parts, bounds[:-1], bounds[1:])}
         layers = {**{k: v for k, v in layers.items() if k != name}, **per_part}
     return layers

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.registry import config_from_hf
-from jaxbatch.model import fused, precision
+from jaxbatch.model import precision, storage
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.llama import stack_layers
 from jaxbatch.model.quantize import check_quantization, is_quantized, quantize_params
@@ -293,5 +293,5 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
     params = jax.tree.map(lambda a: a if is_quantized(a) else np.asarray(a, float_dtype), params,
                           is_leaf=is_quantized)
     # On CPU bf16 layer stacks are kept as their bits (model/precision.py): a free host view.
-    params = jax.tree.map(to_array, fused.fuse_params(precision.to_storage(params)))
+    params = jax.tree.map(to_array, storage.prepare(params))
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

@@ -1,7 +1,8 @@
 """The dtype policy, in one place: what each weight, matmul, norm and KV page is computed in.
 
     weights       the model dtype (float32, or bfloat16 where the silicon has it: `auto_dtype`);
-                  on CPU each layer's matrices kept apart and transposed (`to_storage`)
+                  on CPU each layer's matrices kept apart and transposed (`to_storage`), then
+                  packed for our GEMM kernel where it runs (`storage.py`, `PACKED`)
     matmuls       inputs in the weight's dtype, accumulated in float32 (`dense`, `logits`):
                   bf16 x bf16 -> f32 is the dot XLA:CPU runs on AMX / AVX512-BF16 (1.6-3.7x
                   a float32 dot here); a bf16 x bf16 -> bf16 dot is instead rewritten by
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import packed_gemm
 from pallas_kernels.reference import BF16_BITS
 
 ACCUMULATE = jnp.float32
@@ -39,13 +41,19 @@ HALF_DTYPES = ("bfloat16", "float16")
 
 # A per-layer matrix stored transposed, {OUT_IN: w [out, in]} (`to_storage`, CPU only).
 OUT_IN = "out_in"
+# A matrix packed for `cpu_kernels.packed_gemm`, {PACKED: its packed array} (`storage.py`).
+PACKED = "packed"
+# The params key of a tied LM head's packed copy (`storage.py`).
+TIED_HEAD = "tied_head"
 
 
 def dense(x, w):
     """x [T, in] @ w [in, out] -> [T, out] in x's dtype: x cast to w's dtype, accumulated in
     float32 (for float32 weights this is the plain float32 dot). A uint16 `w` is a slice of a
     stacked layer matrix kept as bf16 bits; {OUT_IN: w [out, in]} a per-layer matrix stored
-    transposed (both `to_storage`)."""
+    transposed (both `to_storage`); {PACKED: ..} one packed for our CPU GEMM kernel."""
+    if is_packed(w):
+        return packed_gemm.matmul(x, w[PACKED]).astype(x.dtype)
     if is_out_in(w):
         w = w[OUT_IN]
         return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
@@ -56,6 +64,15 @@ def dense(x, w):
 
 def is_out_in(w) -> bool:
     return isinstance(w, dict) and OUT_IN in w
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, dict) and PACKED in w
+
+
+def out_in(w) -> dict:
+    """A per-layer float matrix in `{OUT_IN: [out, in]}` form, whichever form it is in."""
+    return {OUT_IN: _transposed(as_float(w))} if is_packed(w) else w
 
 
 def matrices_per_layer_default(platform: str | None = None) -> bool:
@@ -111,8 +128,10 @@ def _transposed(a):
 
 
 def as_float(a):
-    """A weight in `to_storage` form -> its [.., in, out] float values (numpy: a free view);
-    others as they are."""
+    """A weight in `to_storage` form -> its [.., in, out] float values (numpy: a free view;
+    a packed matrix is unpacked); others as they are."""
+    if is_packed(a):
+        return packed_gemm.unpack(a[PACKED])
     if is_out_in(a):
         return a[OUT_IN].T
     if a.dtype != BF16_BITS:
@@ -124,6 +143,8 @@ def as_float(a):
 
 def in_out_shape(w) -> tuple[int, int]:
     """(in, out) of a float layer matrix or one layer of it, in any `to_storage` form."""
+    if is_packed(w):
+        return packed_gemm.in_out_shape(w[PACKED])
     if is_out_in(w):
         return tuple(w[OUT_IN].shape[::-1])
     return tuple(w.shape[-2:])
@@ -137,7 +158,10 @@ def logical_dtype(a) -> str:
 def logits(params, hidden):
     """hidden [N, d] -> float32 logits [N, V], from `lm_head` [d, V] or the tied `embed` [V, d].
     The tied case contracts the embedding's d axis in place (dot_general), never a transposed
-    copy of the [V, d] table."""
+    copy of the [V, d] table; a packed `lm_head` (`storage.py`, tied or not) is our kernel's."""
+    for key in (TIED_HEAD, "lm_head"):
+        if is_packed(params.get(key)):
+            return packed_gemm.matmul(hidden, params[key][PACKED])
     if "lm_head" in params:
         w = params["lm_head"]
         return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=ACCUMULATE)

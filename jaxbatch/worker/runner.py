@@ -30,7 +30,7 @@ import numpy as np
 from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
 from jaxbatch.worker.compilation import Executables
 from jaxbatch.core.config import SchedulerConfig
-from jaxbatch.model import fused, llama, precision
+from jaxbatch.model import llama, precision, storage
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import inverse_frequencies
@@ -120,11 +120,10 @@ class ModelRunner:
                              "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
-        # XLA:CPU's storage form (model/precision.py); tensor parallelism splits stacked
+        # XLA:CPU's storage form (model/storage.py); tensor parallelism splits stacked
         # [L, in, out] matrices, and keeps every collective in the one scanned layer body.
         per_layer = False if tensor_parallel is not None else None   # None: the platform's
-        params = fused.fuse_params(precision.to_storage(
-            llama.stack_layers(params, matrices_per_layer=per_layer)))
+        params = storage.prepare(llama.stack_layers(params, matrices_per_layer=per_layer))
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)

@@ -299,6 +299,10 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
             'kind=kLoop, calls=%f\n'
             '  %cond.154.clone.3 = (bf16[16,1536]{1,0}) conditional(%i, %x), '
             'branch_computations={%b0, %b1}\n'
+            '  %custom-call.7 = f32[16,960]{1,0} custom-call(%x, %w), '
+            'custom_call_target="jaxbatch_packed_gemm", api_version=API_VERSION_TYPED_FFI\n'
+            '  %custom-call.8 = f32[16,9,64]{2,1,0} custom-call(%q, %k), '
+            'custom_call_target="jaxbatch_paged_decode_f32"\n'
             '  ROOT %while.3 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%b\n')
     ops = hlo_ops(text)
     assert ops["ynn_fusion.5"] == ("f32[16,1536]", "fusion:__ynn_fusion")
@@ -308,6 +312,9 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
                     {"576,1536]"}) == "weight copy"
     assert op_class("while.3", *ops["while.3"], set()) == "loop"
     assert op_class("cond.154.clone.3", *ops["cond.154.clone.3"], set()) == "switched dot"
+    assert ops["custom-call.7"] == ("f32[16,960]", "custom-call:jaxbatch_packed_gemm")
+    assert op_class("custom-call.7", *ops["custom-call.7"], set()) == "gemm kernel"
+    assert op_class("custom-call.8", *ops["custom-call.8"], set()) == "decode kernel"
 
 
 def test_executable_ops_name_clashes_go_to_the_model_call():

@@ -2,7 +2,8 @@
 policy, and batch invariance of the embedded model in bf16.
 
 The HLO checks read the optimized module of a decode and a prefill call of a tiny bf16 engine:
-every layer matmul and the LM head are bf16 x bf16 dots accumulating in float32, and no
+every layer matmul and the LM head are bf16 x bf16 dots accumulating in float32 (XLA's dots,
+or our GEMM kernel's custom calls over the packed weights: `model/storage.py`), and no
 instruction produces a float32 (or, for the KV pool, a bf16) array of a weight's or the pool's
 shape: XLA:CPU used to wrap bf16 scatters, gathers, dynamic-slices and bf16-output dots in
 converts of their whole operand, which cost 200x on a decode step.
@@ -28,6 +29,8 @@ _OPCODE = re.compile(r"%([\w.\-]+) = \S+ ([\w\-]+)\(")
 # What a weight may appear as without being copied: the executable's inputs and views of them.
 _VIEWS = {"parameter", "get-tuple-element", "tuple", "bitcast"}
 _DOT = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
+_GEMM = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* custom-call\(%([\w.\-]+), %([\w.\-]+)\)"
+                   r".*custom_call_target=\"jaxbatch_packed_gemm\"")
 
 
 def _bf16(loaded: LoadedModel) -> LoadedModel:
@@ -70,21 +73,27 @@ def _shapes(text: str, materialized_only: bool = False) -> dict[str, tuple[str, 
 
 
 def _layer_matrices(params) -> set[tuple[int, ...]]:
-    """One layer's shape of every layer matrix, as the runner stores it (a stacked slice or
-    one array of the per-layer tuple, [in, out] or transposed)."""
+    """One layer's shape of every layer matrix, as the runner stores it (a stacked slice, or
+    one array of the per-layer tuple: [in, out], transposed or packed)."""
     out = set()
     for value in params["layers"].values():
-        per_layer = isinstance(value, tuple)
-        out |= {tuple(leaf.shape[-2:]) for leaf in jax.tree.leaves(value)
-                if leaf.ndim == (2 if per_layer else 3)}
+        if isinstance(value, tuple):
+            out |= {tuple(leaf.shape) for leaf in jax.tree.leaves(value)}
+        else:
+            out |= {tuple(leaf.shape[-2:]) for leaf in jax.tree.leaves(value) if leaf.ndim == 3}
     return out
+
+
+def _head(params) -> tuple[int, ...]:
+    """The shape of the matrix the LM head reads: packed, `lm_head` or the tied `embed`."""
+    for key in (precision.TIED_HEAD, "lm_head", "embed"):
+        if key in params:
+            return tuple(jax.tree.leaves(params[key])[0].shape)
 
 
 def _weight_shapes(params) -> set[tuple[int, ...]]:
     """Every shape a weight matrix (or its per-layer slice) has."""
-    out = {tuple(params["embed"].shape)} | _layer_matrices(params)
-    if "lm_head" in params:
-        out.add(tuple(params["lm_head"].shape))
+    out = {tuple(params["embed"].shape), _head(params)} | _layer_matrices(params)
     for a in jax.tree.leaves(params["layers"]):
         if a.ndim == 3:
             out |= {tuple(a.shape), (1,) + tuple(a.shape[1:])}
@@ -98,8 +107,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
     weights = _weight_shapes(runner.params)
     matrices = _layer_matrices(runner.params)
     assert len(matrices) >= 3                                   # q/o, k/v, gate/up, down
-    lm_head = tuple(loaded.params["lm_head"].shape if "lm_head" in loaded.params
-                    else loaded.params["embed"].shape)
+    lm_head = _head(runner.params)
     pool = tuple(runner.pool[0].shape)
     keys = runner.layout.bucket_shapes()
     model_keys = [[k for k in keys if k[0] == kind][-1] for kind in ("decode", "prefill", "mixed")]
@@ -116,14 +124,20 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
             opcodes = dict(_OPCODE.findall(text))
             copies = sorted((n, opcodes.get(n)) for n, (t, s) in
                             _shapes(text, materialized_only=True).items()
-                            if t == "bf16" and s in matrices and opcodes.get(n) not in _VIEWS)
+                            if t in ("bf16", "u16") and s in matrices
+                            and opcodes.get(n) not in _VIEWS)
             assert not copies, (key, copies[:5])
-        # Dots whose weight operand is bf16, accumulated in f32: each layer matrix and the head.
+        # Dots whose weight operand is bf16, accumulated in f32: each layer matrix and the head
+        # (the packed GEMM's: a bf16 x and the weight's bf16 bits).
         bf16_dots = set()
         for m in _DOT.finditer(text):
             operands = [shapes.get(m[4]), shapes.get(m[5])]
             if m[2] == "f32":
                 bf16_dots |= {s for t, s in filter(None, operands) if t == "bf16"}
+        for m in _GEMM.finditer(text):
+            x, w = shapes.get(m[4]), shapes.get(m[5])
+            if m[2] == "f32" and x and x[0] == "bf16" and w and w[0] == "u16":
+                bf16_dots.add(w[1])
         missing = (matrices | {lm_head}) - bf16_dots
         assert not missing, (key, missing, sorted(bf16_dots))
 

@@ -1,0 +1,196 @@
+// x @ W for CPUs with AVX512-BF16, over a weight packed once at load time: XLA FFI custom calls
+// whose reference is `jnp.dot(x, w, preferred_element_type=float32)` (packed_gemm.py).
+//
+//   JaxbatchPackedGemm     x [M, K] bf16;  w [N / 16, K / 2, 32] uint16 (bf16 bits), element
+//                          [b, p, 2 j + t] = W[2 p + t, 16 b + j]
+//   JaxbatchPackedGemmF32  x [M, K] f32;   w [N / 16, K, 16] float32, element [b, k, j] =
+//                          W[k, 16 b + j]
+//   both -> y [M, N] float32.
+//
+// A step of the inner loop reads one 64-byte line of each of a few column blocks and meets it
+// with a broadcast of one (bf16: a pair of) x value(s) per row: `vdpbf16ps` on bf16, FMAs on
+// float32, 8 rows by 3 blocks (48 columns) of float32 accumulators in registers. Every output
+// element is one accumulator lane summed over k in order from zero, so a row's result does not
+// depend on M, on its place in the batch, or on how the work is split. Units of work (3 column
+// blocks, every row) are claimed through an atomic counter by the calling thread and helpers on
+// XLA's intra-op thread pool; each panel of the weight is read from memory once per call.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRows = 8;     // rows of a register tile
+constexpr int kBlocks = 3;   // 16-column blocks of a register tile (and of a unit of work)
+constexpr int kPrefetchLines = 12;
+
+// One step of k: bf16 consumes a pair of x values, float32 one.
+template <typename T>
+struct Step;
+
+template <>
+struct Step<uint16_t> {
+  static constexpr int64_t kPerStep = 2;
+  static __m512 Broadcast(const uint16_t* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 Madd(__m512 acc, const uint16_t* w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)x);
+  }
+};
+
+template <>
+struct Step<float> {
+  static constexpr int64_t kPerStep = 1;
+  static __m512 Broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 Madd(__m512 acc, const float* w, __m512 x) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc);
+  }
+};
+
+template <typename T>
+struct Problem {
+  const T* x;
+  const T* w;
+  float* y;
+  int64_t m, k, n_blocks;
+  int64_t steps() const { return k / Step<T>::kPerStep; }
+  // elements of one packed column block: steps lines of 64 bytes
+  int64_t block_elems() const { return steps() * (64 / sizeof(T)); }
+};
+
+// y[r, 16 b .. 16 (b + NB)) for rows r0 .. r0 + MR, blocks b .. b + NB.
+template <typename T, int MR, int NB, bool kPrefetch>
+void Tile(const Problem<T>& p, int64_t r0, int64_t b) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  const int64_t steps = p.steps(), stride = p.block_elems();
+  const T* x = p.x + r0 * p.k;
+  const T* w = p.w + b * stride;
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    if (kPrefetch && s + kPrefetchLines < steps)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (s + kPrefetchLines) * kLine),
+                     _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
+      for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Madd(acc[i][j], w + j * stride + s * kLine, xb);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_storeu_ps(p.y + (r0 + i) * p.n_blocks * 16 + (b + j) * 16, acc[i][j]);
+}
+
+template <typename T, int NB, bool kPrefetch>
+void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b) {
+  switch (rows) {
+    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b);
+    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b);
+    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b);
+    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b);
+    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b);
+    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b);
+    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b);
+    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b);
+  }
+}
+
+// Every row against blocks b .. b + NB: the first row tile streams the panel from memory (and
+// prefetches it), the others find it in cache.
+template <typename T, int NB>
+void Panel(const Problem<T>& p, int64_t b) {
+  for (int64_t r0 = 0; r0 < p.m; r0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, p.m - r0);
+    if (r0 == 0)
+      RowTile<T, NB, true>(p, r0, rows, b);
+    else
+      RowTile<T, NB, false>(p, r0, rows, b);
+  }
+}
+
+template <typename T>
+void RunUnit(const Problem<T>& p, int64_t unit) {
+  const int64_t b = unit * kBlocks;
+  switch (std::min<int64_t>(kBlocks, p.n_blocks - b)) {
+    case 1: return Panel<T, 1>(p, b);
+    case 2: return Panel<T, 2>(p, b);
+    default: return Panel<T, 3>(p, b);
+  }
+}
+
+template <typename T>
+struct Job {
+  Problem<T> p;
+  int64_t units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      RunUnit(p, u);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Below this many multiply-adds a call runs on the calling thread alone: waking a helper
+// costs more than it saves.
+constexpr int64_t kSpare = 1;
+constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
+
+template <typename T, typename X, typename W>
+ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<ffi::Buffer<ffi::F32, 2>> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  constexpr int64_t kLine = 64 / sizeof(T);
+  auto job = std::make_shared<Job<T>>();
+  job->p = Problem<T>{reinterpret_cast<const T*>(x.typed_data()),
+                      reinterpret_cast<const T*>(w.typed_data()), y->typed_data(),
+                      xd[0], xd[1], wd[0]};
+  if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 ||
+      wd[1] != xd[1] / Step<T>::kPerStep || yd[0] != xd[0] || yd[1] != wd[0] * 16)
+    return ffi::Error::InvalidArgument("packed_gemm: x [M, K] and w packed for K, y [M, N]");
+  if (job->p.m == 0 || job->p.n_blocks == 0) return ffi::Error::Success();
+  job->units = (job->p.n_blocks + kBlocks - 1) / kBlocks;
+  const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
+  const int64_t helpers =
+      macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - kSpare, job->units - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
+  return ffi::Error::Success();
+}
+
+template <typename X, typename W>
+constexpr auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<X>()
+      .template Arg<W>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>();
+}
+
+using Bf16X = ffi::Buffer<ffi::BF16, 2>;
+using Bf16W = ffi::Buffer<ffi::U16, 3>;
+using F32X = ffi::Buffer<ffi::F32, 2>;
+using F32W = ffi::Buffer<ffi::F32, 3>;
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16X, Bf16W>),
+                              (Binding<Bf16X, Bf16W>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W>),
+                              (Binding<F32X, F32W>()));

@@ -1,0 +1,95 @@
+"""x @ W on CPU over a weight packed once at load time (`packed_gemm.cc`); its reference is
+`jnp.dot(x, W, preferred_element_type=float32)` with x in W's dtype.
+
+XLA:CPU runs a dot of a few rows well under the machine's bf16 rate; the kernel reads the
+packed weight as one stream of 64-byte lines, each met by every row in registers, and sums each
+output in k order whatever the batch (so a row's result is the same solo or batched).
+
+    unavailable_reason()     None where the kernel runs on this machine, else why not
+    why_not(dtype, k, n)     None where it covers a [k, n] weight of `dtype` here
+    pack(w [K, N])           -> the packed weight (numpy in, numpy out; bf16 as uint16 bits)
+    unpack(packed)           -> w [K, N] (bf16 from bits), for whoever needs the plain matrix
+    in_out_shape(packed)     -> (K, N)
+    matmul(x [.., K], packed) -> [.., N] float32
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels import availability
+
+SOURCE = "packed_gemm.cc"
+# packed element type -> (handler symbol, FFI target, x's dtype, k values per 64-byte lane pair)
+_HANDLERS = {jnp.dtype(jnp.uint16): ("JaxbatchPackedGemm", "jaxbatch_packed_gemm",
+                                     jnp.bfloat16, 2),
+             jnp.dtype(jnp.float32): ("JaxbatchPackedGemmF32", "jaxbatch_packed_gemm_f32",
+                                      jnp.float32, 1)}
+TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values())
+BLOCK = 16                                  # output columns per packed block (one zmm of f32)
+_STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32):
+           jnp.dtype(jnp.float32)}
+
+
+def unavailable_reason() -> str | None:
+    for symbol, target, _, _ in _HANDLERS.values():
+        reason = availability.unavailable_reason(SOURCE, symbol, target)
+        if reason:
+            return reason
+    return None
+
+
+def why_not(dtype, k: int, n: int) -> str | None:
+    dtype = jnp.dtype(dtype)
+    if dtype not in _STORED:
+        return f"{dtype.name} weights, neither bf16 nor float32"
+    per_step = _HANDLERS[_STORED[dtype]][3]
+    if n % BLOCK or k % per_step or not k or not n:
+        return f"a [{k}, {n}] weight: out not a multiple of {BLOCK} or in not of {per_step}"
+    return unavailable_reason()
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """w [K, N] (bf16 or float32, numpy) -> [N / 16, K / s, 16 s] with s k values per lane:
+    element [b, p, s j + t] = w[s p + t, 16 b + j]."""
+    w = np.asarray(w)
+    stored = _STORED[jnp.dtype(w.dtype)]
+    per_step = _HANDLERS[stored][3]
+    k, n = w.shape
+    bits = w.view(stored)
+    packed = bits.reshape(k // per_step, per_step, n // BLOCK, BLOCK)     # [p, t, b, j]
+    return np.ascontiguousarray(packed.transpose(2, 0, 3, 1)).reshape(
+        n // BLOCK, k // per_step, BLOCK * per_step)
+
+
+def in_out_shape(packed) -> tuple[int, int]:
+    per_step = _HANDLERS[jnp.dtype(packed.dtype)][3]
+    return packed.shape[1] * per_step, packed.shape[0] * BLOCK
+
+
+def unpack(packed):
+    """The inverse of `pack` (numpy or jax arrays): [K, N] in the weight's float dtype."""
+    per_step = _HANDLERS[jnp.dtype(packed.dtype)][3]
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    blocks, steps, _ = packed.shape
+    w = xp.transpose(packed.reshape(blocks, steps, BLOCK, per_step), (1, 3, 0, 2))
+    w = w.reshape(steps * per_step, blocks * BLOCK)
+    if per_step == 1:
+        return w
+    return w.view(jnp.bfloat16) if xp is np else jax.lax.bitcast_convert_type(w, jnp.bfloat16)
+
+
+def matmul(x, packed):
+    """x [.., K] @ the packed [K, N] weight -> [.., N] float32 (x cast to the weight's dtype)."""
+    symbol, target, x_dtype, _ = _HANDLERS[jnp.dtype(packed.dtype)]
+    k, n = in_out_shape(packed)
+    if x.shape[-1] != k:
+        raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
+    reason = availability.register(SOURCE, symbol, target)
+    if reason:
+        raise RuntimeError(f"packed_gemm cannot run here: {reason}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(x_dtype)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(x2, packed)
+    return y.reshape(*lead, n)

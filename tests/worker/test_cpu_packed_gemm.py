@@ -1,0 +1,166 @@
+"""The CPU GEMM kernels over packed weights (`cpu_kernels/packed_gemm.cc`, bf16 and float32)
+against their reference, `jnp.dot(x, w, preferred_element_type=float32)`; the packing; and
+the engine's storage of its matrices. Skipped, with the reason, where the kernel cannot run
+(no AVX512-BF16, no g++)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import packed_gemm
+
+REASON = packed_gemm.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
+
+_kernel = jax.jit(packed_gemm.matmul)
+
+
+@jax.jit
+def _reference(x, w):
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _case(seed, m, k, n, dtype):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(dtype)
+    w = rng.standard_normal((k, n)).astype(np.float32).astype(dtype)
+    return x, w
+
+
+SHAPES = [
+    # (m, k, n): rows past a register tile of 8, column blocks 1, 2 and 3 in the last unit
+    (1, 2, 16), (3, 30, 32), (8, 64, 48), (9, 576, 64), (17, 96, 80), (40, 1536, 576),
+    (5, 576, 960),
+]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_matches_its_reference(m, k, n, dtype):
+    x, w = _case(m * 1000 + n, m, k, n, dtype)
+    out = _kernel(jnp.asarray(x), jnp.asarray(packed_gemm.pack(w)))
+    ref = _reference(jnp.asarray(x), jnp.asarray(w))
+    assert out.dtype == jnp.float32 and out.shape == (m, n)
+    # bf16 products are exact in float32; only the rounding of the float32 sums may differ:
+    # a few ulps per term of sum |x w|
+    magnitude = np.abs(x.astype(np.float32)) @ np.abs(w.astype(np.float32))
+    bound = 4 * k * np.finfo(np.float32).eps * magnitude
+    assert np.all(np.abs(np.asarray(out) - np.asarray(ref)) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pack_and_unpack_are_inverse_and_put_each_value_where_the_kernel_reads_it(dtype):
+    _, w = _case(3, 1, 6, 32, dtype)
+    packed = packed_gemm.pack(w)
+    per_step = 2 if dtype == jnp.bfloat16 else 1
+    assert packed.shape == (2, 6 // per_step, 16 * per_step)
+    assert packed_gemm.in_out_shape(packed) == (6, 32)
+    # element [b, p, s j + t] = w[s p + t, 16 b + j]
+    b, p, j, t = 1, 2, 5, per_step - 1
+    assert packed.view(w.dtype)[b, p, per_step * j + t] == w[per_step * p + t, 16 * b + j]
+    np.testing.assert_array_equal(packed_gemm.unpack(packed), w)
+    np.testing.assert_array_equal(np.asarray(packed_gemm.unpack(jnp.asarray(packed))), w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_row_alone_equals_the_row_in_a_batch(dtype):
+    x, w = _case(11, 37, 576, 240, dtype)
+    packed = jnp.asarray(packed_gemm.pack(w))
+    batch = np.asarray(_kernel(jnp.asarray(x), packed))
+    for start, rows in ((0, 1), (13, 1), (5, 8), (30, 7), (0, 16)):
+        part = np.asarray(_kernel(jnp.asarray(x[start:start + rows]), packed))
+        np.testing.assert_array_equal(part, batch[start:start + rows])
+
+
+def test_leading_axes_and_the_input_dtype():
+    x, w = _case(5, 6, 32, 16, jnp.bfloat16)
+    packed = jnp.asarray(packed_gemm.pack(w))
+    x3 = jnp.asarray(x, jnp.float32).reshape(2, 3, 32)       # cast to the weight's dtype
+    out = _kernel(x3, packed)
+    assert out.shape == (2, 3, 16)
+    np.testing.assert_array_equal(np.asarray(out).reshape(6, 16),
+                                  np.asarray(_kernel(jnp.asarray(x), packed)))
+
+
+def test_refuses_what_it_does_not_cover():
+    assert packed_gemm.why_not(jnp.bfloat16, 576, 960) is None
+    assert packed_gemm.why_not(jnp.float32, 7, 16) is None          # odd in: one k a step
+    assert "multiple" in packed_gemm.why_not(jnp.bfloat16, 7, 16)   # bf16 takes pairs of k
+    assert "multiple" in packed_gemm.why_not(jnp.float32, 8, 40)
+    assert "neither" in packed_gemm.why_not(jnp.int8, 8, 16)
+    assert "neither" in packed_gemm.why_not(jnp.float16, 8, 16)
+    with pytest.raises(ValueError, match=r"x \[\.\., 8\] expected"):
+        packed_gemm.matmul(jnp.zeros((2, 6), jnp.bfloat16),
+                           jnp.asarray(packed_gemm.pack(np.zeros((8, 16), jnp.bfloat16))))
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")
+    assert "JAXBATCH_CPU_KERNELS=0" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
+
+
+def _tiny_engine(dtype, name="llama_untied_gqa2"):
+    from jaxbatch.engine.llm_engine import LLMEngine
+    from jaxbatch.model.loader import LoadedModel
+    from tiny_models import make_hf_model, ours_from_hf
+    cfg, params = ours_from_hf(make_hf_model(name, seed=5))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
+    return LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=128, prefill_chunk_size=32,
+                     warmup=False, compilation_cache=False)
+
+
+def _compiled_texts(engine):
+    runner = engine.runner
+    keys = runner.layout.bucket_shapes()
+    keys = [[k for k in keys if k[0] == kind][-1] for kind in ("decode", "prefill")]
+    return [runner.executables.lower(k, runner.example_args(k)).compile().as_text() for k in keys]
+
+
+# greedy tokens of 40 that must agree before a divergence: the kernel sums in XLA's order here,
+# but a bf16 tie broken by one float32 ulp may flip a token
+AGREE = {jnp.bfloat16: 36, jnp.float32: 40}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypatch, dtype):
+    from engines import run_all
+    from jaxbatch import SamplingParams
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 37, 70, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)] * 4
+    target = packed_gemm.TARGETS[0 if dtype == jnp.bfloat16 else 1]
+    with_kernel = _tiny_engine(dtype)
+    assert with_kernel.stats()["matmuls"] == "cpu_kernels.packed_gemm"
+    layers = with_kernel.runner.model_cfg.num_layers
+    for text in _compiled_texts(with_kernel):               # prefill and decode alike
+        # one call per layer of each of wqkv, wo, w_gate_up and w_down, and the head's
+        assert text.count(f'custom_call_target="{target}"') == 4 * layers + 1, text.count(target)
+    outs = run_all(with_kernel, prompts, params)
+    monkeypatch.setattr(packed_gemm, "why_not", lambda *a: "off")
+    plain = _tiny_engine(dtype)
+    assert plain.stats()["matmuls"] == "XLA dots"
+    assert all(f'"{target}"' not in text for text in _compiled_texts(plain))
+    refs = run_all(plain, prompts, params)
+    agree = 0
+    for out, ref in zip(outs, refs):
+        a, b = out.outputs[0], ref.outputs[0]
+        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if tok_a != tok_b:
+                break
+            assert abs(lp_a[tok_a] - lp_b[tok_b]) < 1e-3, (lp_a, lp_b)
+            agree += 1
+    assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"
+
+
+def test_bench_gemm_reports_both_and_their_agreement(tmp_path, capsys):
+    from jaxbatch.benchmarks import gemm
+    assert gemm.main(["--rows", "3", "--dtype", "float32", "--matrices", "wo", "--calls", "2",
+                      "--out", str(tmp_path)]) == 0
+    import json
+    (result,) = json.loads((tmp_path / "gemm.json").read_text())["results"]
+    assert (result["matrix"], result["rows"], result["in"], result["out"]) == ("wo", 3, 576, 576)
+    assert result["xla_ms"] > 0 and result["kernel_ms"] > 0 and result["max_rel_diff"] < 1e-5
+    assert "| float32 | wo [576, 576] | 3 |" in (tmp_path / "gemm.md").read_text()
