@@ -158,7 +158,8 @@ def logical_dtype(a) -> str:
 def logits(params, hidden):
     """hidden [N, d] -> float32 logits [N, V], from `lm_head` [d, V] or the tied `embed` [V, d].
     The tied case contracts the embedding's d axis in place (dot_general), never a transposed
-    copy of the [V, d] table; a packed `lm_head` (`storage.py`, tied or not) is our kernel's."""
+    copy of the [V, d] table. A packed head (`storage.py`: `lm_head`, or `TIED_HEAD` beside a
+    tied embedding) is our kernel's."""
     for key in (TIED_HEAD, "lm_head"):
         if is_packed(params.get(key)):
             return packed_gemm.matmul(hidden, params[key][PACKED])

@@ -325,3 +325,15 @@ def test_executable_ops_name_clashes_go_to_the_model_call():
     for keys in ([("sample", 4), ("decode", 4)], [("decode", 4), ("sample", 4)]):
         assert executable_ops(compiled, keys)["ynn_fusion.1"][0] == "f32[4,576]"
     assert executable_ops(compiled, [("sample", 4)])["ynn_fusion.1"][0] == "f32[4,1]"
+
+
+def test_roofline_counts_a_tied_head_once():
+    import numpy as np
+
+    from jaxbatch.benchmarks import roofline
+    from jaxbatch.model import precision
+    embed, layer = np.zeros((64, 16), np.float32), np.zeros((16, 16), np.float32)
+    tied = {"embed": embed, "layers": {"wo": ({precision.OUT_IN: layer},)}}
+    assert roofline.model_bytes(tied) == embed.nbytes + layer.nbytes
+    packed = {**tied, precision.TIED_HEAD: {precision.PACKED: embed.T.copy()}}
+    assert roofline.model_bytes(packed) == embed.nbytes + layer.nbytes
