@@ -149,7 +149,6 @@ struct Job {
 
 // Below this many multiply-adds a call runs on the calling thread alone: waking a helper
 // costs more than it saves.
-constexpr int64_t kSpare = 1;
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
 template <typename T, typename X, typename W>
@@ -166,8 +165,9 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<ffi::Buffe
   if (job->p.m == 0 || job->p.n_blocks == 0) return ffi::Error::Success();
   job->units = (job->p.n_blocks + kBlocks - 1) / kBlocks;
   const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
+  // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
   const int64_t helpers =
-      macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - kSpare, job->units - 1);
+      macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
