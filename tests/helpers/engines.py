@@ -18,6 +18,45 @@ def tiny_engine(model, **kwargs) -> LLMEngine:
     return LLMEngine(loaded=loaded, **kwargs)
 
 
+def tiny_engine_in(dtype, name: str = "llama_untied_gqa2", **kwargs) -> LLMEngine:
+    """`tiny_engine` on the tiny model `name` (seed 5) with its weights in `dtype`, 4 slots,
+    chunks of 32: the engine the CPU kernels' tests run with and without a kernel."""
+    import jax
+    import jax.numpy as jnp
+    from tiny_models import make_hf_model
+    cfg, params = ours_from_hf(make_hf_model(name, seed=5))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
+    kwargs = {"max_num_seqs": 4, "max_model_len": 128, "prefill_chunk_size": 32,
+              "warmup": False, "compilation_cache": False, **kwargs}
+    return LLMEngine(loaded=loaded, **kwargs)
+
+
+def greedy_case(seed: int = 7):
+    """Four prompts of 5-70 tokens, each to 10 greedy tokens with their logprobs (40 in all)."""
+    import numpy as np
+
+    from jaxbatch import SamplingParams
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 37, 70, 12)]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=10, logprobs=0,
+                                    ignore_eos=True)] * 4
+
+
+def tokens_agreeing(outs, refs, logprob_tol: float) -> int:
+    """How many greedy tokens of `outs` equal `refs`' before each output's first divergence;
+    the agreeing tokens' logprobs must be within `logprob_tol`."""
+    agree = 0
+    for out, ref in zip(outs, refs):
+        a, b = out.outputs[0], ref.outputs[0]
+        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if tok_a != tok_b:
+                break
+            assert abs(lp_a[tok_a] - lp_b[tok_b]) < logprob_tol, (lp_a, lp_b)
+            agree += 1
+    return agree
+
+
 def run_all(engine: LLMEngine, prompts, params) -> list:
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)

@@ -101,17 +101,6 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert "JAXBATCH_CPU_KERNELS=0" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
 
 
-def _tiny_engine(dtype, name="llama_untied_gqa2"):
-    from jaxbatch.engine.llm_engine import LLMEngine
-    from jaxbatch.model.loader import LoadedModel
-    from tiny_models import make_hf_model, ours_from_hf
-    cfg, params = ours_from_hf(make_hf_model(name, seed=5))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-    loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
-    return LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=128, prefill_chunk_size=32,
-                     warmup=False, compilation_cache=False)
-
-
 def _compiled_texts(engine):
     runner = engine.runner
     keys = runner.layout.bucket_shapes()
@@ -126,13 +115,10 @@ AGREE = {jnp.bfloat16: 36, jnp.float32: 40}
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypatch, dtype):
-    from engines import run_all
-    from jaxbatch import SamplingParams
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 37, 70, 12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)] * 4
+    from engines import greedy_case, run_all, tiny_engine_in, tokens_agreeing
+    prompts, params = greedy_case()
     target = packed_gemm.TARGETS[0 if dtype == jnp.bfloat16 else 1]
-    with_kernel = _tiny_engine(dtype)
+    with_kernel = tiny_engine_in(dtype)
     assert with_kernel.stats()["matmuls"] == "cpu_kernels.packed_gemm"
     layers = with_kernel.runner.model_cfg.num_layers
     for text in _compiled_texts(with_kernel):               # prefill and decode alike
@@ -140,18 +126,10 @@ def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypat
         assert text.count(f'custom_call_target="{target}"') == 4 * layers + 1, text.count(target)
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setattr(packed_gemm, "why_not", lambda *a: "off")
-    plain = _tiny_engine(dtype)
+    plain = tiny_engine_in(dtype)
     assert plain.stats()["matmuls"] == "XLA dots"
     assert all(f'"{target}"' not in text for text in _compiled_texts(plain))
-    refs = run_all(plain, prompts, params)
-    agree = 0
-    for out, ref in zip(outs, refs):
-        a, b = out.outputs[0], ref.outputs[0]
-        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            if tok_a != tok_b:
-                break
-            assert abs(lp_a[tok_a] - lp_b[tok_b]) < 1e-3, (lp_a, lp_b)
-            agree += 1
+    agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=1e-3)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"
 
 

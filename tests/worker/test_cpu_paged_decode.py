@@ -98,16 +98,6 @@ def test_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="float32 pools expected"):       # K and V disagree
         paged_decode.paged_decode_attention(q, _as_bits(pool), pool.astype(jnp.float32), *empty)
 
-def _tiny_engine(dtype, max_num_seqs=4):
-    from jaxbatch.engine.llm_engine import LLMEngine
-    from jaxbatch.model.loader import LoadedModel
-    from tiny_models import make_hf_model, ours_from_hf
-    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=5))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-    loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
-    return LLMEngine(loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=128,
-                     prefill_chunk_size=32, warmup=False, compilation_cache=False)
-
 
 def _decode_text(engine):
     runner = engine.runner
@@ -122,27 +112,16 @@ AGREE = {jnp.bfloat16: 30, jnp.float32: 40}
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeypatch, dtype):
-    from engines import run_all
-    from jaxbatch import SamplingParams
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 37, 70, 12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)] * 4
+    from engines import greedy_case, run_all, tiny_engine_in, tokens_agreeing
+    prompts, params = greedy_case()
     target = paged_decode.TARGETS[0 if dtype == jnp.bfloat16 else 1]
-    with_kernel = _tiny_engine(dtype)
+    with_kernel = tiny_engine_in(dtype)
     assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
     assert f'"{target}"' in _decode_text(with_kernel)      # the exact target name
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
-    plain = _tiny_engine(dtype)
+    plain = tiny_engine_in(dtype)
     assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["decode_attention"]
     assert f'"{target}"' not in _decode_text(plain)
-    refs = run_all(plain, prompts, params)
-    agree = 0
-    for out, ref in zip(outs, refs):
-        a, b = out.outputs[0], ref.outputs[0]
-        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            if tok_a != tok_b:
-                break
-            assert abs(lp_a[tok_a] - lp_b[tok_b]) < 0.05, (lp_a, lp_b)
-            agree += 1
+    agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"
