@@ -45,9 +45,11 @@ def pack(params: dict, platform: str | None = None) -> dict:
         head = params["lm_head"]
         if not precision.is_packed(head) and _covered_matrix(head):
             params["lm_head"] = {precision.PACKED: _like(head, packed_gemm.pack(np.asarray(head)))}
-    elif TIED_HEAD not in params and _covered_matrix(params.get("embed")):
+    elif TIED_HEAD not in params and getattr(params.get("embed"), "ndim", 0) == 2:
         embed = params["embed"]                                               # [V, d]
-        params[TIED_HEAD] = {precision.PACKED: _like(embed, packed_gemm.pack(np.asarray(embed).T))}
+        head = np.asarray(embed).T                                            # [d, V]
+        if _covered_matrix(head):
+            params[TIED_HEAD] = {precision.PACKED: _like(embed, packed_gemm.pack(head))}
     return params
 
 

@@ -86,3 +86,14 @@ def test_logits_and_a_layer_matmul_match_the_transposed_form(dtype):
     np.testing.assert_allclose(np.asarray(precision.dense(x, w_packed), np.float32),
                                np.asarray(precision.dense(x, w_plain), np.float32),
                                rtol=1e-2 if dtype != np.float32 else 1e-5, atol=1e-5)
+
+
+def test_a_head_the_kernel_does_not_cover_keeps_xlas_dot():
+    # a vocabulary of 250 is not a multiple of 16: the tied head [d, V] stays the embedding's
+    layer = {precision.OUT_IN: np.ones((32, 32), np.float32)}
+    for head in ({"embed": np.ones((250, 32), np.float32)},
+                 {"embed": np.ones((256, 32), np.float32), "lm_head": np.ones((32, 250), np.float32)}):
+        stored = storage.prepare({**head, "layers": {"wo": (layer,)}}, platform="cpu")
+        assert storage.TIED_HEAD not in stored
+        assert not precision.is_packed(stored.get("lm_head"))
+        assert precision.is_packed(stored["layers"]["wo"][0])          # the layers still are
