@@ -266,6 +266,20 @@ def test_roofline_gemm_peak_multiplies_in_the_dtype_it_is_given(monkeypatch):
     assert [str(d) for d in seen] == ["float32", "bfloat16"]
 
 
+def test_roofline_gemm_peak_is_the_faster_of_xlas_dot_and_our_kernel(monkeypatch):
+    from cpu_kernels import packed_gemm
+    from jaxbatch.benchmarks import roofline
+    if packed_gemm.why_not("bfloat16", 16, 16) is not None:
+        pytest.skip("the packed GEMM kernel does not run here")
+    # the kernel's call gets a packed (3-D) weight: half the seconds of XLA's dot
+    monkeypatch.setattr(roofline, "_best_seconds",
+                        lambda fn, *args, **kw: 0.5 if args[1].ndim == 3 else 1.0)
+    assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / 0.5
+    monkeypatch.setattr(roofline, "_best_seconds",
+                        lambda fn, *args, **kw: 2.0 if args[1].ndim == 3 else 1.0)
+    assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / 1.0
+
+
 def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():
     from jaxbatch.benchmarks import roofline
     from jaxbatch.benchmarks.random_models import random_model
