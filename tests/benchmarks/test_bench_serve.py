@@ -345,3 +345,42 @@ def test_offline_baseline_gets_the_servers_engine_options_and_none_of_its_server
     assert serve_launch.run_offline_baseline(args, [], tmp_path) == {"output_tokens_per_s": 1.0}
     assert specs[0]["llm_kwargs"] == {"max_num_seqs": 8, "warmup": True, "max_model_len": 1024,
                                       "dtype": "bfloat16", "enable_prefix_caching": False}
+
+
+def test_rounds_interleave_served_and_offline_and_the_ratio_is_of_medians(tmp_path, monkeypatch):
+    """--rounds 3 --offline-baseline: served run, offline run, served, offline, ... against the
+    same idle server; the reported ratio is median served / median offline, and a rate other
+    than inf is no saturation run."""
+    order, served, offline = [], iter([100.0, 300.0, 200.0, 50.0, 60.0, 70.0]), iter([400.0, 250.0, 200.0])
+
+    async def fake_warm_up(*a, **k):
+        order.append("warm-up")
+        return {}
+
+    async def fake_run_load(base, workload, *, rate, max_concurrency, **kw):
+        order.append(f"served {rate}")
+        return {"summary": {"request_rate": rate, "max_concurrency": max_concurrency,
+                            "output_tokens_per_s": next(served), "completed": 4,
+                            "num_requests": 4, "failed": 0, "ttft": {"median_ms": 1.0},
+                            "tpot": {"median_ms": 1.0}, "health": {"p99_ms": None}},
+                "requests": []}
+
+    def fake_offline(args, workload, out_dir):
+        order.append("offline")
+        return {"output_tokens_per_s": next(offline), "output_tokens": 1, "seconds": 1.0}
+
+    monkeypatch.setattr(serve, "warm_up", fake_warm_up)
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    monkeypatch.setattr(serve, "run_offline_baseline", fake_offline)
+    monkeypatch.setattr(serve, "plot", lambda report, path: None)
+    monkeypatch.setattr(serve, "markdown", lambda report: "")
+    report = serve.main(["--target", "x=http://127.0.0.1:9", "--request-rate", "inf", "2",
+                         "--rounds", "3", "--offline-baseline", "--num-prompts", "4",
+                         "--price-per-hour", "1", "--out", str(tmp_path)])
+    assert order == ["warm-up"] + ["served inf", "served 2.0", "offline"] * 3
+    ob = report["offline_baseline"]
+    assert ob["rounds"] == [400.0, 250.0, 200.0] and ob["output_tokens_per_s"] == 250.0
+    [row] = ob["served_vs_offline"]            # the runs at rate 2 are not saturation runs
+    assert row["served_rounds"] == [100.0, 200.0, 60.0]
+    assert row["ratio"] == pytest.approx(100.0 / 250.0)
+    assert [r["round"] for r in report["runs"]] == [0, 0, 1, 1, 2, 2]

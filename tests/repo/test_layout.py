@@ -106,7 +106,8 @@ def test_host_rooms_import_no_jax():
 
 # Benchmarks that run transformers' PyTorch models: the HF comparison, and the families
 # benchmark, which writes random checkpoints with save_pretrained.
-TORCH_ALLOWED = {"jaxbatch/benchmarks/hf_baselines.py", "jaxbatch/benchmarks/families.py"}
+TORCH_ALLOWED = {"jaxbatch/benchmarks/hf_baselines.py", "jaxbatch/benchmarks/hf_offline.py",
+                 "jaxbatch/benchmarks/families.py"}
 
 
 def test_only_hf_benchmarks_import_torch():
