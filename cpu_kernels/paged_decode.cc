@@ -12,7 +12,7 @@
 //   -> out [B, H, D] float32.
 //
 // One unit of work is (row, kv head): its G = H / KVH query heads walk the row's items in
-// order, 16 keys at a time, with an online softmax in float32. q.K accumulates in float32
+// order, 16 keys at a time, with an online softmax in float32 updated every 64 keys. q.K accumulates in float32
 // (`vdpbf16ps` on bf16 pages, FMAs on float32 ones). p.V on bf16 pages is also `vdpbf16ps`,
 // over the probabilities rounded to bf16 (as prefill's p.V does; the softmax's sum stays
 // float32, so the result differs from the reference's float32 p.V by about a bf16 step) and
@@ -227,6 +227,63 @@ void PrefetchUnit(const Problem<T>& p, int64_t u) {
     PrefetchItem<Hint>(p, u % p.kv_heads, p.first_item[row], p.lengths[row]);
 }
 
+// Up to 16 consecutive keys of one page: the unit of q.K and p.V.
+template <typename T>
+struct Span {
+  const T* k;
+  const T* v;
+  int64_t n;
+  __mmask16 valid;
+};
+
+// Spans whose scores share one online-softmax update: the maximum, the correction and the
+// rescaling of the accumulators happen once per kSpans * 16 keys, not once per 16 (that
+// bookkeeping is a chain of dependent reductions, which dominated the time per key). A span
+// list depends on the row's own keys only, so the batch does not change a row's result.
+constexpr int kSpans = 4;
+
+// The online softmax over `ns` spans for each of the G query heads, then p.V.
+template <typename T, int kG>
+void SoftmaxSpans(const Problem<T>& p, const T* q, const Span<T>* spans, int ns, int64_t G_,
+                  int64_t width, float* m, float* l, float (*acc)[kMaxHeadDim]) {
+  using E = Elems<T>;
+  const int64_t D = p.head_dim, G = kG ? kG : G_;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 probs[kSpans][kMaxGroup];
+  for (int64_t h = 0; h < G; ++h) {
+    __m512 scores[kSpans];
+    __m512 block_max = neg_inf;
+    for (int s = 0; s < ns; ++s) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+      if (spans[s].valid == 0xFFFF)      // a full block of 16 keys: the loop over keys unrolled
+        E::template Dots<16>(q + h * D, spans[s].k, D, 16, dots);
+      else
+        E::template Dots<0>(q + h * D, spans[s].k, D, spans[s].n, dots);
+      scores[s] = _mm512_mask_blend_ps(spans[s].valid, neg_inf,
+                                       _mm512_mul_ps(Reduce16(dots), _mm512_set1_ps(p.scale)));
+      block_max = _mm512_max_ps(block_max, scores[s]);
+    }
+    const float new_m = std::max(m[h], _mm512_reduce_max_ps(block_max));
+    const float correction = std::exp(m[h] - new_m);     // 0 for the first spans
+    const __m512 shift = _mm512_set1_ps(new_m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int s = 0; s < ns; ++s) {
+      probs[s][h] = _mm512_maskz_mov_ps(spans[s].valid, Exp(_mm512_sub_ps(scores[s], shift)));
+      sum = _mm512_add_ps(sum, probs[s][h]);
+    }
+    l[h] = l[h] * correction + _mm512_reduce_add_ps(sum);
+    if (correction != 1.0f) {
+      const __m512 cv = _mm512_set1_ps(correction);
+      for (int64_t d = 0; d < width; d += 16)
+        _mm512_store_ps(acc[h] + d, _mm512_mul_ps(_mm512_load_ps(acc[h] + d), cv));
+    }
+    m[h] = new_m;
+  }
+  for (int s = 0; s < ns; ++s)
+    E::template AccumulatePV<kG>(probs[s], G, spans[s].v, D, spans[s].n, spans[s].valid, acc);
+}
+
 // Row `row`, kv head `g`: out[row, g * G : (g + 1) * G, :]. kG: G known at compile time (its
 // loops unrolled, the per-head registers kept in registers), or 0 for any G.
 template <typename T, int kG>
@@ -245,6 +302,8 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
     std::fill(acc[h], acc[h] + width, 0.0f);
   }
   const T* q = p.q + (row * p.heads + g * G) * D;
+  Span<T> spans[kSpans];
+  int ns = 0;
   const int64_t end_item = p.first_item[row] + p.item_count[row];
   if (p.item_count[row] > 0) PrefetchItem<_MM_HINT_T0>(p, g, p.first_item[row], length);
   for (int64_t it = p.first_item[row]; it < end_item; ++it) {
@@ -267,34 +326,15 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
           if (pos < length && pos >= lo) valid |= static_cast<__mmask16>(1u << i);
         }
         if (!valid) continue;
-        __m512 probs[kMaxGroup];
-        for (int64_t h = 0; h < G; ++h) {
-          __m512 dots[16];
-          for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-          if (valid == 0xFFFF)      // a full block of 16 keys: the loop over keys unrolled
-            E::template Dots<16>(q + h * D, kp + t0 * D, D, 16, dots);
-          else
-            E::template Dots<0>(q + h * D, kp + t0 * D, D, n, dots);
-          const __m512 scores = _mm512_mask_blend_ps(
-              valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-              _mm512_mul_ps(Reduce16(dots), _mm512_set1_ps(p.scale)));
-          const float new_m = std::max(m[h], _mm512_reduce_max_ps(scores));
-          const float correction = std::exp(m[h] - new_m);     // 0 for the first block
-          const __m512 pr = _mm512_maskz_mov_ps(
-              valid, Exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_m))));
-          l[h] = l[h] * correction + _mm512_reduce_add_ps(pr);
-          if (correction != 1.0f) {
-            const __m512 cv = _mm512_set1_ps(correction);
-            for (int64_t d = 0; d < width; d += 16)
-              _mm512_store_ps(acc[h] + d, _mm512_mul_ps(_mm512_load_ps(acc[h] + d), cv));
-          }
-          m[h] = new_m;
-          probs[h] = pr;
+        spans[ns++] = Span<T>{kp + t0 * D, vp + t0 * D, n, valid};
+        if (ns == kSpans) {
+          SoftmaxSpans<T, kG>(p, q, spans, ns, G, width, m, l, acc);
+          ns = 0;
         }
-        E::template AccumulatePV<kG>(probs, G, vp + t0 * D, D, n, valid, acc);
       }
     }
   }
+  if (ns) SoftmaxSpans<T, kG>(p, q, spans, ns, G, width, m, l, acc);
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.0f / std::max(l[h], std::numeric_limits<float>::min());
     for (int64_t a = 0; a < width; ++a) {
