@@ -1,6 +1,7 @@
 """The sampler's own reductions (jaxbatch/worker/sampler.py)."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxbatch.worker.argmax import first_argmax
 
@@ -18,6 +19,20 @@ def test_argmax_is_the_first_maximum_with_nan_as_inf():
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(expected, [7, 0, 11, 5, 4098, expected[5]])
+
+
+@pytest.mark.parametrize("vocab", [100, 128, 4096, 49152, 4099])
+def test_argmax_among_many_ties_across_and_within_chunks(vocab):
+    """Few distinct values: every row has its maximum many times, in several chunks of the
+    two-level search and several times within a chunk; the first must win, NaN as +inf."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(0, 4, (64, vocab)).astype(np.float32)
+    x[::7, rng.integers(0, vocab, 8)] = np.nan
+    x[::5, rng.integers(0, vocab, 3)] = np.inf
+    x[3] = -np.inf
+    x[4, vocab - 1] = 9.0                         # the last element, past the last full chunk
+    expected = np.argmax(np.where(np.isnan(x), np.inf, x), axis=-1)
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), expected)
 
 
 def _row(seq_id, logprobs=None, banned=()):
