@@ -11,20 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
-from pathlib import Path
 
-from jaxbatch.benchmarks.workloads import encode_prompts, make_workload
-
-
-@dataclasses.dataclass
-class _Request:            # what run_hf_generate reads
-    rid: str
-    kind: str
-    prompt_ids: list[int]
-    output_len: int
+from jaxbatch.benchmarks.report import emit_json
+from jaxbatch.benchmarks.workloads import Request, encode_prompts, make_workload
 
 
 def main(argv=None) -> dict:
@@ -49,7 +40,7 @@ def main(argv=None) -> dict:
     workload = make_workload(args.num_prompts)
     prompts = encode_prompts([{"text": r.text} for r in workload],
                              AutoTokenizer.from_pretrained(args.model))
-    requests = [_Request(str(r.idx), r.kind, ids, r.max_tokens)
+    requests = [Request(str(r.idx), ids, r.max_tokens, kind=r.kind)
                 for r, ids in zip(workload, prompts)]
     warm = [dataclasses.replace(r, output_len=4) for r in requests[:args.max_num_seqs]]
     run_hf_generate(model, warm, args.max_num_seqs, progress=False)
@@ -68,10 +59,7 @@ def main(argv=None) -> dict:
               "expected_output_tokens": sum(r.output_len for r in requests),
               "loadavg": os.getloadavg(), "passes": passes,
               "output_tokens_per_s": max(p["output_tokens_per_s"] for p in passes)}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    emit_json(result, args.out)
     return result
 
 

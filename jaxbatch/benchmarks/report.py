@@ -75,6 +75,14 @@ def to_json(obj):
     return str(obj)
 
 
+def emit_json(result: dict, out=None) -> None:
+    """A worker's result: printed, and written to `out` when given (its parent reads it)."""
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text)
+    print(text)
+
+
 def write_json(path: Path, report: dict, default=to_json) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

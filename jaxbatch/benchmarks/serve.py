@@ -251,6 +251,8 @@ def parse_args(argv=None):
     args.goodput = parse_goodput(args.goodput)
     args.extra_body = json.loads(args.extra_body)
     args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     if not (args.offline_worker or args.target or args.launch or args.offline_baseline):
         ap.error("give at least one --target NAME=URL, --launch KIND or --offline-baseline")
     targets = []

@@ -18,11 +18,10 @@ prompt of the untimed pass cached (a number that measured its cache, not its eng
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
+from jaxbatch.benchmarks.report import emit_json
 from jaxbatch.benchmarks.workloads import encode_prompts, make_workload
 
 
@@ -97,10 +96,7 @@ def main(argv=None):
         "output_tokens_per_s": max(p["output_tokens_per_s"] for p in timed),
         "first_text": outs[0].outputs[0].text[:80],
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    emit_json(result, args.out)
     return result
 
 

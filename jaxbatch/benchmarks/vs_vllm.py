@@ -60,7 +60,7 @@ def run_vllm(args, caching: str, out_dir: Path, dtype: str) -> float:
 
 
 def run_hf(args, caching: str, out_dir: Path, dtype: str) -> float:
-    """HF `generate` (static groups of 16) on the same workload; it has no prefix cache."""
+    """HF `generate` (static groups of 16) on the same workload (caching is always off)."""
     out = out_dir / f"hf_{dtype}.json"
     subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.hf_offline", "--model",
                     args.vllm_model, "--dtype", dtype, "--out", str(out)],
@@ -94,9 +94,11 @@ def main(argv=None) -> dict:
     report = {"argv": sys.argv, "machine": machine_info(with_jax=False), "results": {}}
     # Both engines run on this machine: one price for both.
     report["price"] = price = resolve_price(args.price_per_hour, report["machine"])
-    engines = ([("jaxbatch", d) for d in args.jaxbatch_dtypes]
-               + [("vllm", d) for d in args.vllm_dtypes] + [("hf", d) for d in args.hf_dtypes])
     for caching in args.prefix_caching:
+        # HF generate has no prefix cache: it runs with caching off only.
+        engines = ([("jaxbatch", d) for d in args.jaxbatch_dtypes]
+                   + [("vllm", d) for d in args.vllm_dtypes]
+                   + [("hf", d) for d in args.hf_dtypes if caching == "off"])
         runs = {f"{e} {d}": [] for e, d in engines}
         for r in range(args.rounds):
             k = r % len(engines)

@@ -351,3 +351,24 @@ def test_roofline_counts_a_tied_head_once():
     assert roofline.model_bytes(tied) == embed.nbytes + layer.nbytes
     packed = {**tied, precision.TIED_HEAD: {precision.PACKED: embed.T.copy()}}
     assert roofline.model_bytes(packed) == embed.nbytes + layer.nbytes
+
+
+def test_vs_vllm_rotates_every_engine_and_runs_hf_with_caching_off_only(tmp_path, monkeypatch):
+    """bench vs-vllm with --hf-dtypes: HF generate joins the rotation where prefix caching is
+    off (it has no prefix cache), and jaxbatch float32 / HF float32 is reported there."""
+    from jaxbatch.benchmarks import vs_vllm
+    calls = []
+    speed = {"jaxbatch": 300.0, "vllm": 250.0, "hf": 20.0}
+    for name in vs_vllm.RUNNERS:
+        monkeypatch.setitem(vs_vllm.RUNNERS, name,
+                            lambda args, caching, out, dtype, name=name:
+                            calls.append((name, caching, dtype)) or speed[name])
+    report = vs_vllm.main(["--prefix-caching", "off", "on", "--rounds", "2", "--hf-dtypes",
+                           "float32", "--out", str(tmp_path), "--price-per-hour", "1"])
+    assert sorted(set(calls)) == [("hf", "off", "float32"), ("jaxbatch", "off", "float32"),
+                                  ("jaxbatch", "on", "float32"), ("vllm", "off", "float32"),
+                                  ("vllm", "on", "float32")]
+    assert len(calls) == 2 * 3 + 2 * 2
+    off, on = report["results"]["off"], report["results"]["on"]
+    assert off["float32_over_hf"] == 15.0 and "float32_over_hf" not in on
+    assert off["ratio_of_bests"] == on["ratio_of_bests"] == 1.2
