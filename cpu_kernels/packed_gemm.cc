@@ -13,7 +13,10 @@
 // element is one accumulator lane summed over k in order from zero, so a row's result does not
 // depend on M, on its place in the batch, or on how the work is split. Units of work (3 column
 // blocks, every row) are claimed through an atomic counter by the calling thread and helpers on
-// XLA's intra-op thread pool; each panel of the weight is read from memory once per call.
+// XLA's intra-op thread pool; each panel of the weight is read from memory once per call. With
+// more than one row tile the memory traffic would come in bursts (the first tile of a panel
+// waits on memory, the others compute from cache), so a thread claims its next unit ahead and
+// its later tiles prefetch that unit's panel while they compute.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -69,9 +72,23 @@ struct Problem {
   int64_t block_elems() const { return steps() * (64 / sizeof(T)); }
 };
 
+// Where a row tile prefetches: kOwn, its own panel a few lines ahead (the panel's first tile
+// when it is the only one); kNext, the panel of the unit the thread does next, into L2, spread
+// over the panel's later tiles, so that the next first tile computes from cache while memory
+// is busy all along instead of during first tiles alone.
+enum class Prefetch { kNone, kOwn, kNext };
+
+// Prefetch of the next panel's steps [first, first + count), one step (NB lines) every `every`
+// steps of this tile.
+template <typename T>
+struct NextLines {
+  const T* panel = nullptr;
+  int64_t first = 0, count = 0, every = 1;
+};
+
 // y[r, 16 b .. 16 (b + NB)) for rows r0 .. r0 + MR, blocks b .. b + NB.
-template <typename T, int MR, int NB, bool kPrefetch>
-void Tile(const Problem<T>& p, int64_t r0, int64_t b) {
+template <typename T, int MR, int NB, Prefetch kPrefetch>
+void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) {
   constexpr int64_t kLine = 64 / sizeof(T);
   const int64_t steps = p.steps(), stride = p.block_elems();
   const T* x = p.x + r0 * p.k;
@@ -79,11 +96,21 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t countdown = next.every, q = next.first;
+  const int64_t q_end = next.first + next.count;
   for (int64_t s = 0; s < steps; ++s) {
-    if (kPrefetch && s + kPrefetchLines < steps)
+    if (kPrefetch == Prefetch::kOwn && s + kPrefetchLines < steps)
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (s + kPrefetchLines) * kLine),
                      _MM_HINT_T0);
+    if (kPrefetch == Prefetch::kNext && --countdown == 0) {
+      countdown = next.every;
+      if (q < q_end)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * stride + q * kLine),
+                       _MM_HINT_T1);
+      ++q;
+    }
     for (int i = 0; i < MR; ++i) {
       const __m512 xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
       for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Madd(acc[i][j], w + j * stride + s * kLine, xb);
@@ -94,40 +121,55 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b) {
       _mm512_storeu_ps(p.y + (r0 + i) * p.n_blocks * 16 + (b + j) * 16, acc[i][j]);
 }
 
-template <typename T, int NB, bool kPrefetch>
-void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b) {
+template <typename T, int NB, Prefetch kPrefetch>
+void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const NextLines<T>& next) {
   switch (rows) {
-    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b);
-    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b);
-    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b);
-    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b);
-    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b);
-    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b);
-    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b);
-    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b);
+    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b, next);
+    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b, next);
+    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b, next);
+    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b, next);
+    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b, next);
+    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b, next);
+    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b, next);
+    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b, next);
   }
 }
 
-// Every row against blocks b .. b + NB: the first row tile streams the panel from memory (and
-// prefetches it), the others find it in cache.
+// Every row against blocks b .. b + NB. One row tile streams its panel and prefetches it
+// ahead; with several, the first finds the panel in cache (prefetched by the previous unit,
+// or not: the thread's first) and the others prefetch the panel of `next_b` (-1: none).
 template <typename T, int NB>
-void Panel(const Problem<T>& p, int64_t b) {
-  for (int64_t r0 = 0; r0 < p.m; r0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, p.m - r0);
-    if (r0 == 0)
-      RowTile<T, NB, true>(p, r0, rows, b);
-    else
-      RowTile<T, NB, false>(p, r0, rows, b);
+void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold) {
+  const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
+  if (tiles == 1) return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, {});
+  NextLines<T> next;
+  const int64_t later = tiles - 1, share = (steps + later - 1) / later;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, p.m - r0);
+    if (t == 0 && cold) {
+      RowTile<T, NB, Prefetch::kOwn>(p, r0, rows, b, next);
+      continue;
+    }
+    if (t == 0 || next_b < 0) {
+      RowTile<T, NB, Prefetch::kNone>(p, r0, rows, b, next);
+      continue;
+    }
+    next.panel = p.w + next_b * p.block_elems();
+    next.first = (t - 1) * share;
+    next.count = std::min<int64_t>(share, steps - next.first);
+    next.every = later;
+    RowTile<T, NB, Prefetch::kNext>(p, r0, rows, b, next);
   }
 }
 
 template <typename T>
-void RunUnit(const Problem<T>& p, int64_t unit) {
+void RunUnit(const Problem<T>& p, int64_t unit, int64_t next_unit, bool cold) {
   const int64_t b = unit * kBlocks;
+  const int64_t next_b = next_unit < 0 ? -1 : next_unit * kBlocks;
   switch (std::min<int64_t>(kBlocks, p.n_blocks - b)) {
-    case 1: return Panel<T, 1>(p, b);
-    case 2: return Panel<T, 2>(p, b);
-    default: return Panel<T, 3>(p, b);
+    case 1: return Panel<T, 1>(p, b, next_b, cold);
+    case 2: return Panel<T, 2>(p, b, next_b, cold);
+    default: return Panel<T, 3>(p, b, next_b, cold);
   }
 }
 
@@ -138,11 +180,15 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  // A thread claims its next unit before it starts the current one, so that it can prefetch
+  // the next panel while it computes.
   void Work() {
-    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
-         u = next.fetch_add(1, std::memory_order_relaxed)) {
-      RunUnit(p, u);
+    int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+    for (bool cold = true; u < units; cold = false) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      RunUnit(p, u, after < units ? after : -1, cold);
       done.fetch_add(1, std::memory_order_release);
+      u = after;
     }
   }
 };
