@@ -5,15 +5,20 @@ Block 0 is the null block: it is never handed out, so padded tokens and unused b
 entries can point at it harmlessly. Usable blocks are 1 .. num_blocks - 1.
 
 Every usable block is in exactly one place:
-  free      never cached, or forgotten: handed out first
+  free      never cached, or forgotten: handed out first, lowest number first
   parked    cached and held by nobody (reference count 0): still findable by a prefix hit,
             evicted least recently used first when the free list is empty
   in use    in one or more block tables (reference count = number of tables)
 Parked blocks count as free (`num_free_blocks`): they are evicted on demand.
+
+Why lowest first: a sequence's blocks then lie in ascending, mostly adjacent pages of the pool.
+On CPU the decode attention reads a row's pages in table order, and adjacent pages are one
+stream for the hardware prefetcher and the TLB; a free list in release order scatters every
+table over the pool once requests have come and gone (BENCHMARKS.md, "block order").
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Sequence
 
 from jaxbatch.core.prefix_cache import PrefixIndex
@@ -29,7 +34,7 @@ class BlockManager:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: list[int] = list(range(1, num_blocks))      # a min-heap
         self._ref_counts = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
         self.prefix_index = PrefixIndex() if enable_prefix_caching else None
@@ -61,7 +66,7 @@ class BlockManager:
     def _take_free_block(self) -> int:
         """Never-cached blocks first; only then the least recently used parked one."""
         if self._free:
-            return self._free.popleft()
+            return heapq.heappop(self._free)
         return self.prefix_index.evict_oldest()
 
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> None:
@@ -90,7 +95,7 @@ class BlockManager:
         if self.prefix_index is not None and self.prefix_index.is_cached(block):
             self.prefix_index.park(block)
         else:
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
     def free(self, seq_id: int) -> None:
         # Tail first: in the parked queue a sequence's last blocks are evicted before its
@@ -151,6 +156,7 @@ class BlockManager:
         """Forgets every cached prefix; parked blocks become plain free blocks."""
         if self.prefix_index is not None:
             self._free.extend(self.prefix_index.clear())
+            heapq.heapify(self._free)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:

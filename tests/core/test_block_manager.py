@@ -96,6 +96,19 @@ def test_free_returns_blocks_and_unknown_free_is_a_no_op():
     assert bm.num_free_blocks == bm.num_total_blocks
 
 
+def test_free_blocks_are_handed_out_lowest_first_whatever_the_release_order():
+    # Requests that came and went leave the free blocks in release order; a new sequence still
+    # gets the lowest ones, ascending (adjacent pages read as one stream on CPU).
+    bm = BlockManager(13, 1)
+    for seq in range(4):
+        bm.ensure_capacity(seq, 3)                # seq s holds blocks 3s+1 .. 3s+3
+    for seq in (3, 0, 2):
+        bm.free(seq)
+    bm.ensure_capacity(9, 7)
+    assert bm.block_table(9) == [1, 2, 3, 7, 8, 9, 10]
+    bm.check_invariants()
+
+
 def test_fork_shares_blocks_until_the_last_owner_frees():
     bm = BlockManager(8, 4)
     bm.ensure_capacity(1, 8)
@@ -143,7 +156,7 @@ def test_check_invariants_detects_corruption(corrupt):
         bm._tables[2].append(NULL_BLOCK)
         bm._ref_counts[NULL_BLOCK] += 1
     elif corrupt == "lost_block":
-        bm._free.popleft()
+        bm._free.pop()
     elif corrupt == "free_and_owned":
         bm._free.append(owned)
     elif corrupt == "bad_refcount":
