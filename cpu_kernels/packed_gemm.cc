@@ -136,8 +136,9 @@ void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const Nex
 }
 
 // Every row against blocks b .. b + NB. One row tile streams its panel and prefetches it
-// ahead; with several, the first finds the panel in cache (prefetched by the previous unit,
-// or not: the thread's first) and the others prefetch the panel of `next_b` (-1: none).
+// ahead. With several, the first finds the panel in cache, prefetched by the thread's previous
+// unit (`cold`, the thread's first unit: it prefetches its own lines ahead instead), and the
+// others prefetch the panel of `next_b` (-1: none).
 template <typename T, int NB>
 void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold) {
   const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
