@@ -7,9 +7,13 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
 
     paged_decode   decode attention over bf16 or float32 KV pages (reference:
                    pallas_kernels.xla_paged_attention.paged_decode_attention_xla)
+    paged_prefill  prefill attention over bf16 KV pages (reference:
+                   pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla)
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
                    (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
                    packs the weights)
+
+attention_simd.h holds the SIMD pieces the two attention kernels share.
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
 """

@@ -1,8 +1,9 @@
 """Compiling a kernel's C++ source into a shared library once per machine, and loading it.
 
 The library lands in `<JAXBATCH_CACHE or ~/.cache/jaxbatch>/cpu_kernels/`, named by a hash of
-the source, the compiler flags, the compiler and jaxlib's version (its FFI headers), so a
-changed source or toolchain builds anew and concurrent processes never see a partial file.
+the source with the headers beside it, the compiler flags, the compiler and jaxlib's version
+(its FFI headers), so a changed source or toolchain builds anew and concurrent processes never
+see a partial file.
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def shared_library(source_name: str, flags: tuple[str, ...]) -> str:
         raise BuildError("no C++ compiler found (set CXX, or install g++)")
     with open(os.path.join(HERE, source_name), "rb") as f:
         source = f.read()
+    # the headers next to it too: a kernel that includes a changed one must build anew
+    for header in sorted(n for n in os.listdir(HERE) if n.endswith(".h")):
+        with open(os.path.join(HERE, header), "rb") as f:
+            source += f.read()
     key = hashlib.sha256(repr((source, flags, cxx, jaxlib.__version__)).encode()).hexdigest()[:16]
     stem = os.path.splitext(source_name)[0]
     path = os.path.join(_cache_dir(), f"{stem}-{key}.so")

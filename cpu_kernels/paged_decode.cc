@@ -31,6 +31,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,47 +40,9 @@ namespace {
 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 512;
-
-// r lane a = the sum of the 16 lanes of acc[a]; the same tree for every a.
-inline __m512 Reduce16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]),
-                         _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
-  __m512 r = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, r);
-}
-
-// e^x for x <= 0 (softmax arguments), relative error about 1e-7: 2^n e^r, |r| <= ln2 / 2.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The first min(n, 16) lanes.
-inline __mmask16 FirstLanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
+using jaxbatch_simd::Exp;
+using jaxbatch_simd::FirstLanes;
+using jaxbatch_simd::Reduce16;
 
 // A pool element type's loads: bf16 bits (uint16_t) or float.
 template <typename T>
@@ -90,17 +53,8 @@ struct Elems<uint16_t> {
   static constexpr int kAccWidth = 32;  // accumulator floats per block of D (see AccIndex)
   // dots[i] += q[h, c-th 32 of D] . k[i, same]
   template <int kN>
-  static void Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n_, __m512* dots) {
-    const int64_t n = kN ? kN : n_;
-    for (int64_t c = 0; c < D; c += 32) {
-      const int64_t rem = std::min<int64_t>(32, D - c);
-      const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
-      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(dm, q + c);
-      for (int64_t i = 0; i < n; ++i) {
-        const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(dm, k + i * D + c);
-        dots[i] = _mm512_dpbf16_ps(dots[i], qv, kv);
-      }
-    }
+  static void Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n, __m512* dots) {
+    jaxbatch_simd::Bf16Dots<kN>(q, k, D, n, dots);
   }
   // acc[h] += sum_i p[h][i] v[i], in key order two keys at a time: a pair's values interleaved
   // (v[i][d], v[i + 1][d]) meet the pair's bf16 probabilities in one `vdpbf16ps`. Lanes of keys

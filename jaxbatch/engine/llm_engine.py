@@ -354,6 +354,7 @@ class LLMEngine(EngineBase):
         speculation = self.scheduler.speculation
         # Requests, not sequences (n=8 is one request), for vllm:num_requests_*.
         running = {s.request_id for s in self.scheduler.running}
+        attention_case = (self.runner.pool[0].dtype, self.runner.model_cfg)
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -373,9 +374,9 @@ class LLMEngine(EngineBase):
             "tensor_parallel_size": 1 if self.runner.tp is None else self.runner.tp.size,
             # What dtype="auto" chose (model/precision.py): the embedding's (matrices may be int8)
             "dtype": str(self.runner.params["embed"].dtype),
-            # On CPU, bf16 or float32 pages: our kernel (cpu_kernels/), else the jnp path and why
-            "decode_attention": self.runner.attention.decode_kernel(self.runner.pool[0].dtype,
-                                                                    self.runner.model_cfg),
+            # On CPU: our kernels (cpu_kernels/) where they cover the pool, else jnp and why
+            "decode_attention": self.runner.attention.decode_kernel(*attention_case),
+            "prefill_attention": self.runner.attention.prefill_kernel(*attention_case),
             "matmuls": storage.matmuls(self.runner.params),   # our CPU GEMM kernel, or XLA's
             # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),

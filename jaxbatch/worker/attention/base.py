@@ -77,6 +77,10 @@ class AttentionBackend:
         """What runs decode attention for a pool of `pool_dtype` (stats())."""
         return f"{self.name} backend"
 
+    def prefill_kernel(self, pool_dtype, model_cfg) -> str:
+        """What runs prefill attention for a pool of `pool_dtype` (stats())."""
+        return f"{self.name} backend"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from cpu_kernels import paged_decode
+from cpu_kernels import paged_decode, paged_prefill
 from jaxbatch.worker.attention.base import AttentionBackend, scale_kwargs
 from pallas_kernels import xla_paged_attention
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
@@ -80,10 +80,24 @@ class WorkListBackend(AttentionBackend):
                                       model_cfg.head_dim, model_cfg.attn_soft_cap)
         return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
 
+    def prefill_kernel(self, pool_dtype, model_cfg) -> str:
+        reason = paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
+                                       model_cfg.head_dim, model_cfg.attn_soft_cap)
+        return f"jnp query tiles ({reason})" if reason else "cpu_kernels.paged_prefill"
+
     def prefill_attend(self, meta, scale):
         """meta = (query_pos [T], tile_pages [T / PREFILL_TILE, P])"""
         query_pos, tile_pages = meta
-        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
-            xla_paged_attention.tiled_prefill_attention_xla(
-                q, k_pages, v_pages, query_pos, tile_pages + off, scale=scale,
-                **scale_kwargs(scales, window, soft_cap)))
+
+        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
+            args = (q, k_pages, v_pages, query_pos, tile_pages + off)
+            jnp_path = lambda *a: xla_paged_attention.tiled_prefill_attention_xla(
+                *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
+            if paged_prefill.why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2],
+                                     soft_cap) is None:
+                # bf16 pages on a CPU with AVX512-BF16 (as for decode above)
+                kernel = lambda *a: paged_prefill.paged_prefill_attention(
+                    *a, scale=scale, window=window)
+                return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
+            return jnp_path(*args)
+        return attend

@@ -1,0 +1,69 @@
+// SIMD pieces shared by the attention kernels (paged_decode.cc, paged_prefill.cc), for CPUs
+// with AVX512-BF16. build.py hashes this header with each source that includes it.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace jaxbatch_simd {
+
+// r lane a = the sum of the 16 lanes of acc[a]; the same tree for every a.
+inline __m512 Reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]),
+                         _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+  __m512 r = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1]))));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// e^x for x <= 0 (softmax arguments), relative error about 1e-7: 2^n e^r, |r| <= ln2 / 2.
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The first min(n, 16) lanes.
+inline __mmask16 FirstLanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// dots[i] += q[c-th 32 of D] . k[i, same] for i < n (kN: n fixed at compile time, else n_),
+// bf16 bits in, float32 lanes out (one accumulator per key; Reduce16 sums them).
+template <int kN>
+inline void Bf16Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n_, __m512* dots) {
+  const int64_t n = kN ? kN : n_;
+  for (int64_t c = 0; c < D; c += 32) {
+    const int64_t rem = std::min<int64_t>(32, D - c);
+    const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
+    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(dm, q + c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(dm, k + i * D + c);
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv, kv);
+    }
+  }
+}
+
+}  // namespace jaxbatch_simd

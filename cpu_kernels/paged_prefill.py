@@ -1,0 +1,70 @@
+"""Prefill attention over bf16 KV pages on CPU (`paged_prefill.cc`), with the interface of
+`pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla`, its reference.
+
+XLA:CPU runs the reference as a loop of gathers, batched dots, masks and exponentials per
+block of keys, each op a pass over memory; the kernel walks each tile's keys once per group of
+its tokens, in place, with an online softmax, computing only the causal part.
+
+    unavailable_reason()   None where the kernel runs on this machine, else why not
+    why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
+                           None where it covers such a call here, else why the jnp path runs
+                           (float32 or int8 pages; a soft cap; more than MAX_GROUP query heads
+                           per kv head; head_dim past MAX_HEAD_DIM)
+    paged_prefill_attention(q, k_pages, v_pages, query_pos, tile_pages, *, scale, window)
+                           -> [T, H, D] in q's dtype
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels import availability
+
+SOURCE = "paged_prefill.cc"
+SYMBOL, TARGET = "JaxbatchPagedPrefill", "jaxbatch_paged_prefill"
+NO_WINDOW = 2 ** 30
+MAX_GROUP, MAX_HEAD_DIM = 16, 512
+
+
+def unavailable_reason() -> str | None:
+    return availability.unavailable_reason(SOURCE, SYMBOL, TARGET)
+
+
+def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
+    if jnp.dtype(pool_dtype) != jnp.uint16:
+        return f"{jnp.dtype(pool_dtype).name} pages, not bf16 bits"
+    if soft_cap is not None:
+        return "attention soft cap"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
+    return None
+
+
+def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str | None:
+    return (_uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
+            or unavailable_reason())
+
+
+def paged_prefill_attention(q, k_pages, v_pages, query_pos, tile_pages, *, scale=None,
+                            window=None):
+    uncovered = _uncovered(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], None)
+    tiles = tile_pages.shape[0]
+    if (uncovered or v_pages.dtype != k_pages.dtype or tiles == 0 or q.shape[0] % tiles
+            or query_pos.shape != q.shape[:1]):
+        raise ValueError(f"paged_prefill: q [T, H, D], query_pos [T], tile_pages [tiles, P] "
+                         f"with T a multiple of tiles and bf16-bit pools expected, got "
+                         f"{q.dtype} {q.shape}, {query_pos.shape}, {tile_pages.shape}, "
+                         f"{k_pages.dtype} {k_pages.shape}, {v_pages.dtype}"
+                         f"{f' ({uncovered})' if uncovered else ''}")
+    reason = availability.register(SOURCE, SYMBOL, TARGET)
+    if reason:
+        raise RuntimeError(f"paged_prefill cannot run here: {reason}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+    scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    result = jax.ffi.ffi_call(TARGET, out)(
+        q.astype(jnp.bfloat16), k_pages, v_pages, i32(query_pos), i32(tile_pages), window,
+        scale)
+    return result.astype(q.dtype)
