@@ -6,6 +6,9 @@
 //   JaxbatchPackedGemmF32  x [M, K] f32;   w [N / 16, K, 16] float32, element [b, k, j] =
 //                          W[k, 16 b + j]
 //   both -> y [M, N] float32.
+//   JaxbatchPackedGemmBf16Out  as JaxbatchPackedGemm -> y [M, N] bf16, each float32 result
+//                          rounded to nearest even (XLA's convert; a bf16 model's activations
+//                          would take that convert next anyway, as an op of its own).
 //
 // A step of the inner loop reads one 64-byte line of each of a few column blocks and meets it
 // with a broadcast of one (bf16: a pair of) x value(s) per row: `vdpbf16ps` on bf16, FMAs on
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -65,7 +69,8 @@ template <typename T>
 struct Problem {
   const T* x;
   const T* w;
-  float* y;
+  float* y;          // float32 output, or
+  uint16_t* y_bf16;  // bf16 output (bits), rounded to nearest even as XLA's convert rounds
   int64_t m, k, n_blocks;
   int64_t steps() const { return k / Step<T>::kPerStep; }
   // elements of one packed column block: steps lines of 64 bytes
@@ -117,8 +122,14 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j)
-      _mm512_storeu_ps(p.y + (r0 + i) * p.n_blocks * 16 + (b + j) * 16, acc[i][j]);
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = (r0 + i) * p.n_blocks * 16 + (b + j) * 16;
+      if (p.y_bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y_bf16 + at),
+                            (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+      else
+        _mm512_storeu_ps(p.y + at, acc[i][j]);
+    }
 }
 
 template <typename T, int NB, Prefetch kPrefetch>
@@ -198,13 +209,21 @@ struct Job {
 // costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
-template <typename T, typename X, typename W>
-ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<ffi::Buffer<ffi::F32, 2>> y) {
+// y [M, N]: float32, or bf16 (its bits as uint16) for the bf16 handler of a bf16 model.
+template <typename T, typename X, typename W, typename Y>
+ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   constexpr int64_t kLine = 64 / sizeof(T);
+  constexpr bool kBf16Out = std::is_same_v<Y, ffi::Buffer<ffi::BF16, 2>>;
   auto job = std::make_shared<Job<T>>();
+  float* y32 = nullptr;
+  uint16_t* y16 = nullptr;
+  if constexpr (kBf16Out)
+    y16 = reinterpret_cast<uint16_t*>(y->typed_data());
+  else
+    y32 = y->typed_data();
   job->p = Problem<T>{reinterpret_cast<const T*>(x.typed_data()),
-                      reinterpret_cast<const T*>(w.typed_data()), y->typed_data(),
+                      reinterpret_cast<const T*>(w.typed_data()), y32, y16,
                       xd[0], xd[1], wd[0]};
   if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 ||
       wd[1] != xd[1] / Step<T>::kPerStep || yd[0] != xd[0] || yd[1] != wd[0] * 16)
@@ -221,23 +240,28 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<ffi::Buffe
   return ffi::Error::Success();
 }
 
-template <typename X, typename W>
+template <typename X, typename W, typename Y>
 constexpr auto Binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .template Arg<X>()
       .template Arg<W>()
-      .template Ret<ffi::Buffer<ffi::F32, 2>>();
+      .template Ret<Y>();
 }
 
 using Bf16X = ffi::Buffer<ffi::BF16, 2>;
 using Bf16W = ffi::Buffer<ffi::U16, 3>;
 using F32X = ffi::Buffer<ffi::F32, 2>;
 using F32W = ffi::Buffer<ffi::F32, 3>;
+using F32Y = ffi::Buffer<ffi::F32, 2>;
+using Bf16Y = ffi::Buffer<ffi::BF16, 2>;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16X, Bf16W>),
-                              (Binding<Bf16X, Bf16W>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W>),
-                              (Binding<F32X, F32W>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16X, Bf16W, F32Y>),
+                              (Binding<Bf16X, Bf16W, F32Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmBf16Out,
+                              (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y>),
+                              (Binding<Bf16X, Bf16W, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W, F32Y>),
+                              (Binding<F32X, F32W, F32Y>()));

@@ -10,7 +10,7 @@ output in k order whatever the batch (so a row's result is the same solo or batc
     pack(w [K, N])           -> the packed weight (numpy in, numpy out; bf16 as uint16 bits)
     unpack(packed)           -> w [K, N] (bf16 from bits), for whoever needs the plain matrix
     in_out_shape(packed)     -> (K, N)
-    matmul(x [.., K], packed) -> [.., N] float32
+    matmul(x [.., K], packed, out_dtype=float32) -> [.., N] in out_dtype
 """
 from __future__ import annotations
 
@@ -26,14 +26,16 @@ _HANDLERS = {jnp.dtype(jnp.uint16): ("JaxbatchPackedGemm", "jaxbatch_packed_gemm
                                      jnp.bfloat16, 2),
              jnp.dtype(jnp.float32): ("JaxbatchPackedGemmF32", "jaxbatch_packed_gemm_f32",
                                       jnp.float32, 1)}
-TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values())
+# bf16 weights, bf16 x, the result rounded to bf16 in the kernel (a bf16 model's layers)
+_BF16_OUT = ("JaxbatchPackedGemmBf16Out", "jaxbatch_packed_gemm_bf16_out")
+TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values()) + (_BF16_OUT[1],)
 BLOCK = 16                                  # output columns per packed block (one zmm of f32)
 _STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32):
            jnp.dtype(jnp.float32)}
 
 
 def unavailable_reason() -> str | None:
-    for symbol, target, _, _ in _HANDLERS.values():
+    for symbol, target in [h[:2] for h in _HANDLERS.values()] + [_BF16_OUT]:
         reason = availability.unavailable_reason(SOURCE, symbol, target)
         if reason:
             return reason
@@ -80,9 +82,14 @@ def unpack(packed):
     return w.view(jnp.bfloat16) if xp is np else jax.lax.bitcast_convert_type(w, jnp.bfloat16)
 
 
-def matmul(x, packed):
-    """x [.., K] @ the packed [K, N] weight -> [.., N] float32 (x cast to the weight's dtype)."""
+def matmul(x, packed, out_dtype=jnp.float32):
+    """x [.., K] @ the packed [K, N] weight -> [.., N] float32, accumulated in float32 (x cast
+    to the weight's dtype). `out_dtype` bf16 with bf16 weights: the kernel rounds the result to
+    bf16 itself (as `.astype(bfloat16)` would, without a pass over the float32 result)."""
     symbol, target, x_dtype, _ = _HANDLERS[jnp.dtype(packed.dtype)]
+    result_dtype = jnp.dtype(jnp.float32)
+    if jnp.dtype(out_dtype) == jnp.bfloat16 and x_dtype == jnp.bfloat16:
+        (symbol, target), result_dtype = _BF16_OUT, jnp.dtype(jnp.bfloat16)
     k, n = in_out_shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
@@ -91,5 +98,6 @@ def matmul(x, packed):
         raise RuntimeError(f"packed_gemm cannot run here: {reason}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(x_dtype)
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(x2, packed)
-    return y.reshape(*lead, n)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), result_dtype))(
+        x2, packed)
+    return y.reshape(*lead, n).astype(out_dtype)

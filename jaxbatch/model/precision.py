@@ -53,7 +53,7 @@ def dense(x, w):
     stacked layer matrix kept as bf16 bits; {OUT_IN: w [out, in]} a per-layer matrix stored
     transposed (both `to_storage`); {PACKED: ..} one packed for our CPU GEMM kernel."""
     if is_packed(w):
-        return packed_gemm.matmul(x, w[PACKED]).astype(x.dtype)
+        return packed_gemm.matmul(x, w[PACKED], out_dtype=x.dtype)
     if is_out_in(w):
         w = w[OUT_IN]
         return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),

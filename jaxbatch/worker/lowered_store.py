@@ -30,7 +30,7 @@ import pickle
 import jax
 from jax import export
 
-from cpu_kernels import packed_gemm, paged_decode
+from cpu_kernels import packed_gemm, paged_decode, paged_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ _FORMAT = 1
 # Our CPU kernels' custom calls (cpu_kernels/): registered in-process before a step holding one
 # is traced, so a stored step may keep them.
 _OUR_CUSTOM_CALLS = [export.DisabledSafetyCheck.custom_call(t)
-                     for t in paged_decode.TARGETS + packed_gemm.TARGETS]
+                     for t in paged_decode.TARGETS + packed_gemm.TARGETS
+                     + (paged_prefill.TARGET,)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +54,7 @@ def source_hash() -> str:
         full = os.path.join(root, entry)
         if os.path.isdir(full):
             paths += [os.path.join(folder, f) for folder, _, files in os.walk(full)
-                      for f in files if f.endswith((".py", ".cc"))]
+                      for f in files if f.endswith((".py", ".cc", ".h"))]
         else:
             paths.append(full)
     for path in sorted(paths):

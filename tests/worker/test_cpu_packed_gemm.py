@@ -74,6 +74,19 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype):
         np.testing.assert_array_equal(part, batch[start:start + rows])
 
 
+@pytest.mark.parametrize("m,k,n", [(3, 30, 32), (9, 576, 64), (40, 1536, 576)])
+def test_bf16_out_is_the_float32_result_rounded(m, k, n):
+    """out_dtype bf16: the kernel rounds each float32 result to nearest even, exactly what
+    `.astype(bfloat16)` on the float32 result gives (bit for bit)."""
+    x, w = _case(7 * m + n, m, k, n, jnp.bfloat16)
+    packed = jnp.asarray(packed_gemm.pack(w))
+    out = jax.jit(packed_gemm.matmul, static_argnums=2)(jnp.asarray(x), packed, jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+    rounded = _kernel(jnp.asarray(x), packed).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.asarray(rounded).view(np.uint16))
+
+
 def test_leading_axes_and_the_input_dtype():
     x, w = _case(5, 6, 32, 16, jnp.bfloat16)
     packed = jnp.asarray(packed_gemm.pack(w))
@@ -118,17 +131,23 @@ def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypat
     from engines import greedy_case, run_all, tiny_engine_in, tokens_agreeing
     prompts, params = greedy_case()
     target = packed_gemm.TARGETS[0 if dtype == jnp.bfloat16 else 1]
+    # a bf16 model's layer matmuls round to bf16 in the kernel; the head's logits stay float32
+    layer_target = packed_gemm.TARGETS[2] if dtype == jnp.bfloat16 else target
     with_kernel = tiny_engine_in(dtype)
     assert with_kernel.stats()["matmuls"] == "cpu_kernels.packed_gemm"
     layers = with_kernel.runner.model_cfg.num_layers
     for text in _compiled_texts(with_kernel):               # prefill and decode alike
         # one call per layer of each of wqkv, wo, w_gate_up and w_down, and the head's
-        assert text.count(f'custom_call_target="{target}"') == 4 * layers + 1, text.count(target)
+        calls = {t: text.count(f'custom_call_target="{t}"') for t in packed_gemm.TARGETS}
+        expected = {target: 1}
+        expected[layer_target] = expected.get(layer_target, 0) + 4 * layers
+        assert {t: n for t, n in calls.items() if n} == expected, calls
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setattr(packed_gemm, "why_not", lambda *a: "off")
     plain = tiny_engine_in(dtype)
     assert plain.stats()["matmuls"] == "XLA dots"
-    assert all(f'"{target}"' not in text for text in _compiled_texts(plain))
+    assert all(f'"{t}"' not in text for text in _compiled_texts(plain)
+               for t in packed_gemm.TARGETS)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=1e-3)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"
 
