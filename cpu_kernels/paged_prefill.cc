@@ -88,8 +88,8 @@ inline void SpanDots(const Block& b, const uint16_t* k, int64_t D, int64_t n_, _
   for (int64_t q = 0; q < D / 2; ++q) {
     const __m512bh qv = (__m512bh)_mm512_load_si512(b.qt[q]);
     for (int64_t j = 0; j < n; ++j)
-      dots[j] = _mm512_dpbf16_ps(dots[j], qv,
-                                 (__m512bh)_mm512_set1_epi32(static_cast<int>(Pair(k + j * D + 2 * q))));
+      dots[j] = _mm512_dpbf16_ps(
+          dots[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(Pair(k + j * D + 2 * q))));
   }
 }
 
@@ -123,7 +123,8 @@ template <int kD>
 inline void AccumulatePV(Block& b, int64_t d0, int64_t nd_, int64_t pairs, __m512 correction) {
   const int64_t nd = kD ? kD : nd_;
   __m512 acc[16];
-  for (int64_t d = 0; d < nd; ++d) acc[d] = _mm512_mul_ps(_mm512_load_ps(b.acc[d0 + d]), correction);
+  for (int64_t d = 0; d < nd; ++d)
+    acc[d] = _mm512_mul_ps(_mm512_load_ps(b.acc[d0 + d]), correction);
   for (int64_t i = 0; i < pairs; ++i) {
     const __m512bh pp = (__m512bh)_mm512_load_si512(b.probs[i]);
     for (int64_t d = 0; d < nd; ++d)
@@ -167,7 +168,8 @@ void SoftmaxSpans(const Problem& p, const Span* spans, int ns, Block& b) {
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 dm = jaxbatch_simd::FirstLanes(D - d);
         const __mmask16 m0 = 2 * i < sp.n ? dm : 0, m1 = 2 * i + 1 < sp.n ? dm : 0;
-        const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, sp.v + 2 * i * D + d));
+        const __m512i v0 =
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, sp.v + 2 * i * D + d));
         const __m512i v1 = _mm512_cvtepu16_epi32(
             _mm256_maskz_loadu_epi16(m1, sp.v + (2 * i + 1) * D + d));
         _mm512_store_si512(b.values[s * 8 + i] + d, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
@@ -279,7 +281,8 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool 
               query_pos.typed_data(), tile_pages.typed_data(), window.typed_data()[0],
               scale.typed_data()[0], out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
               td[0], td[0] ? qd[0] / td[0] : 0, td[1]};
-  if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup || p.head_dim % 2 ||
+  if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
+      p.head_dim % 2 ||
       p.head_dim > kMaxHeadDim || query_pos.dimensions()[0] != p.tokens || p.tiles == 0 ||
       p.tile * p.tiles != p.tokens)
     return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");

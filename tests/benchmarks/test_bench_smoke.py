@@ -317,6 +317,8 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
             'custom_call_target="jaxbatch_packed_gemm", api_version=API_VERSION_TYPED_FFI\n'
             '  %custom-call.8 = f32[16,9,64]{2,1,0} custom-call(%q, %k), '
             'custom_call_target="jaxbatch_paged_decode_f32"\n'
+            '  %custom-call.9 = f32[128,9,64]{2,1,0} custom-call(%q, %k), '
+            'custom_call_target="jaxbatch_paged_prefill"\n'
             '  ROOT %while.3 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%b\n')
     ops = hlo_ops(text)
     assert ops["ynn_fusion.5"] == ("f32[16,1536]", "fusion:__ynn_fusion")
@@ -329,6 +331,7 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
     assert ops["custom-call.7"] == ("f32[16,960]", "custom-call:jaxbatch_packed_gemm")
     assert op_class("custom-call.7", *ops["custom-call.7"], set()) == "gemm kernel"
     assert op_class("custom-call.8", *ops["custom-call.8"], set()) == "decode kernel"
+    assert op_class("custom-call.9", *ops["custom-call.9"], set()) == "prefill kernel"
 
 
 def test_executable_ops_name_clashes_go_to_the_model_call():
