@@ -16,4 +16,19 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
 attention_simd.h holds the SIMD pieces the two attention kernels share.
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
+
+    KERNELS                the kernel modules: each has TARGETS (its FFI targets) and
+                           unavailable_reason(), which registers them where they run
+    register_all()         registers every kernel that runs here (what a process must do
+                           before it runs a stored step that may call one); returns the
+                           reasons of those that do not, in KERNELS order
 """
+from __future__ import annotations
+
+from cpu_kernels import packed_gemm, paged_decode, paged_prefill
+
+KERNELS = (paged_decode, paged_prefill, packed_gemm)
+
+
+def register_all() -> tuple:
+    return tuple(kernel.unavailable_reason() for kernel in KERNELS)

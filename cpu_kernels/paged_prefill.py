@@ -22,6 +22,7 @@ from cpu_kernels import availability
 
 SOURCE = "paged_prefill.cc"
 SYMBOL, TARGET = "JaxbatchPagedPrefill", "jaxbatch_paged_prefill"
+TARGETS = (TARGET,)
 NO_WINDOW = 2 ** 30
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 

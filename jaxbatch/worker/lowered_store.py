@@ -30,7 +30,7 @@ import pickle
 import jax
 from jax import export
 
-from cpu_kernels import packed_gemm, paged_decode, paged_prefill
+import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ _FORMAT = 1
 # Our CPU kernels' custom calls (cpu_kernels/): registered in-process before a step holding one
 # is traced, so a stored step may keep them.
 _OUR_CUSTOM_CALLS = [export.DisabledSafetyCheck.custom_call(t)
-                     for t in paged_decode.TARGETS + packed_gemm.TARGETS
-                     + (paged_prefill.TARGET,)]
+                     for kernel in cpu_kernels.KERNELS for t in kernel.TARGETS]
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +71,8 @@ def fingerprint(*parts) -> str:
     device = jax.devices()[0]
     settings = (jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
                 str(jax.config.jax_numpy_rank_promotion), str(jax.config.jax_numpy_dtype_promotion),
-                paged_decode.unavailable_reason(), packed_gemm.unavailable_reason())
+                # which kernels run, each registered now: a stored step may call them
+                cpu_kernels.register_all())
     text = repr((_FORMAT, jax.__version__, jaxlib.__version__, device.platform,
                  getattr(device, "device_kind", ""), source_hash(), settings) + tuple(parts))
     return hashlib.sha256(text.encode()).hexdigest()[:32]

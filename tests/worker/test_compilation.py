@@ -258,3 +258,34 @@ def test_warmup_runs_the_lora_twins_too(tiny, monkeypatch):
     model_keys = [k for k in engine.runner.bucket_shapes() if engine.runner.is_model_call(k)]
     assert {"decode_lora", "mixed_lora"} <= {k[0] for k in model_keys}
     assert sorted(ran) == sorted(model_keys)
+
+
+def test_the_store_registers_every_kernel_a_stored_step_may_call(tmp_path):
+    """A stored step is not traced, so nothing registers the kernels it calls on the way: the
+    store's fingerprint must (a fresh process once met 'No FFI handler registered for
+    jaxbatch_paged_prefill' reading a cached executable). Every kernel source is in KERNELS."""
+    import os
+    import subprocess
+    import sys
+    import cpu_kernels
+    sources = {k.SOURCE for k in cpu_kernels.KERNELS}
+    here = os.path.dirname(cpu_kernels.__file__)
+    assert sources == {f for f in os.listdir(here) if f.endswith(".cc")}
+    if any(cpu_kernels.register_all()):
+        pytest.skip(f"a CPU kernel is unavailable: {cpu_kernels.register_all()}")
+    script = (
+        "import jax, jax.numpy as jnp, cpu_kernels\n"
+        "from jaxbatch.worker import lowered_store\n"
+        "lowered_store.fingerprint('any')\n"
+        "for kernel in cpu_kernels.KERNELS:\n"
+        "    for t in kernel.TARGETS:\n"
+        "        call = jax.ffi.ffi_call(t, jax.ShapeDtypeStruct((2,), jnp.float32))\n"
+        "        jax.jit(call).lower(jnp.zeros(2)).compile()   # raises when not registered\n"
+        "print('registered', sum(len(k.TARGETS) for k in cpu_kernels.KERNELS))\n")
+    root = os.path.dirname(here)
+    env = dict(os.environ, JAXBATCH_COMPILATION_CACHE="0",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "registered 6" in done.stdout
