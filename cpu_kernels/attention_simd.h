@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace jaxbatch_simd {
 
@@ -65,5 +66,27 @@ inline void Bf16Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n_
     }
   }
 }
+
+// f as bf16 bits, rounded to nearest even (as XLA's convert rounds; NaN stays NaN).
+inline uint16_t Bf16Bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// An attention kernel's output: float32, or bf16 bits for a bf16 model (rounded here rather
+// than by an XLA convert of the float32 result, an op of its own over every output).
+struct Out {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  void Store(int64_t i, float value) const {
+    if (bf16)
+      bf16[i] = Bf16Bits(value);
+    else
+      f32[i] = value;
+  }
+};
 
 }  // namespace jaxbatch_simd

@@ -1,6 +1,6 @@
 // Decode attention over a paged KV cache, for CPUs with AVX512-BF16: XLA FFI custom calls with
 // the interface of `paged_decode_attention_xla` (pallas_kernels/xla_paged_attention.py), which
-// is also their reference. Two handlers, one per pool element type:
+// is also their reference. A handler per pool element type (and a bf16-out one):
 //
 //   JaxbatchPagedDecode     q [B, H, D] bf16;  k_pages, v_pages [KVH, N, bs, D] uint16 (bf16
 //                           bits, the CPU's bf16 pool)
@@ -9,7 +9,8 @@
 //   both: item_slot [J], item_pages [J, PPI], item_first_pos [J] int32: a work list sorted by
 //   row (padding items have item_slot >= B); lengths [B] int32; window [1] int32 (a key at
 //   position p is seen by row r when lengths[r] - window <= p < lengths[r]); scale [1] f32.
-//   -> out [B, H, D] float32.
+//   -> out [B, H, D] float32; JaxbatchPagedDecodeBf16Out: as JaxbatchPagedDecode -> out bf16,
+//   each float32 result rounded to nearest even (what the model's convert would do next).
 //
 // One unit of work is (row, kv head): its G = H / KVH query heads walk the row's items in
 // order, 16 keys at a time, with an online softmax in float32 updated every 64 keys. q.K accumulates in float32
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "attention_simd.h"
@@ -150,7 +152,7 @@ struct Problem {
   const int32_t* lengths;
   int32_t window;
   float scale;
-  float* out;
+  jaxbatch_simd::Out out;
   int64_t batch, heads, head_dim, kv_heads, num_pages, block_size, pages_per_item;
   std::vector<int64_t> first_item, item_count;  // per row
 };
@@ -245,7 +247,7 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
   using E = Elems<T>;
   const int64_t D = p.head_dim, G = kG ? kG : p.heads / p.kv_heads, bs = p.block_size;
   const int64_t width = (D + E::kAccWidth - 1) / E::kAccWidth * E::kAccWidth;
-  float* out = p.out + (row * p.heads + g * G) * D;
+  const int64_t out0 = (row * p.heads + g * G) * D;
   const int64_t length = p.lengths[row];
   const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
   float m[kMaxGroup], l[kMaxGroup];
@@ -293,7 +295,7 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g) {
     const float inv = 1.0f / std::max(l[h], std::numeric_limits<float>::min());
     for (int64_t a = 0; a < width; ++a) {
       const int64_t d = E::AccIndex(a);
-      if (d < D) out[h * D + d] = acc[h][a] * inv;
+      if (d < D) p.out.Store(out0 + h * D + d, acc[h][a] * inv);
     }
   }
 }
@@ -342,11 +344,11 @@ using I32Matrix = ffi::Buffer<ffi::S32, 2>;
 using F32Array3 = ffi::Buffer<ffi::F32, 3>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 
-// T: the pool's element type; Q, Pool: the FFI buffers of q and of the pages.
-template <typename T, typename Q, typename Pool>
+// T: the pool's element type; Q, Pool, Y: the FFI buffers of q, of the pages and of out.
+template <typename T, typename Q, typename Pool, typename Y>
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
                            I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
-                           I32Vector window, F32Vector scale, ffi::Result<F32Array3> out) {
+                           I32Vector window, F32Vector scale, ffi::Result<Y> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   auto job = std::make_shared<Job<T>>();
   Problem<T>& p = job->p;
@@ -354,11 +356,15 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector 
                  reinterpret_cast<const T*>(k.typed_data()),
                  reinterpret_cast<const T*>(v.typed_data()), item_slot.typed_data(),
                  item_pages.typed_data(), item_first_pos.typed_data(), lengths.typed_data(),
-                 window.typed_data()[0], scale.typed_data()[0], out->typed_data(),
+                 window.typed_data()[0], scale.typed_data()[0], jaxbatch_simd::Out{},
                  qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
+  if constexpr (std::is_same_v<Y, F32Array3>)
+    p.out.f32 = out->typed_data();
+  else
+    p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
   p.first_item.assign(p.batch, 0);
   p.item_count.assign(p.batch, 0);
   const int64_t items = item_slot.dimensions()[0];
@@ -378,7 +384,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector 
   return ffi::Error::Success();
 }
 
-template <typename T, typename Q, typename Pool>
+template <typename Q, typename Pool, typename Y>
 constexpr auto Binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -391,18 +397,23 @@ constexpr auto Binding() {
       .template Arg<I32Vector>()
       .template Arg<I32Vector>()
       .template Arg<F32Vector>()
-      .template Ret<F32Array3>();
+      .template Ret<Y>();
 }
 
 using Bf16Q = ffi::Buffer<ffi::BF16, 3>;
 using Bf16Pool = ffi::Buffer<ffi::U16, 4>;
 using F32Q = ffi::Buffer<ffi::F32, 3>;
 using F32Pool = ffi::Buffer<ffi::F32, 4>;
+using Bf16Array3 = ffi::Buffer<ffi::BF16, 3>;
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecode,
-                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool>),
-                              (Binding<uint16_t, Bf16Q, Bf16Pool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeF32, (PagedDecodeImpl<float, F32Q, F32Pool>),
-                              (Binding<float, F32Q, F32Pool>()));
+                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, F32Array3>),
+                              (Binding<Bf16Q, Bf16Pool, F32Array3>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeBf16Out,
+                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, Bf16Array3>),
+                              (Binding<Bf16Q, Bf16Pool, Bf16Array3>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeF32,
+                              (PagedDecodeImpl<float, F32Q, F32Pool, F32Array3>),
+                              (Binding<F32Q, F32Pool, F32Array3>()));

@@ -26,13 +26,15 @@ _HANDLERS = {jnp.dtype(jnp.uint16): ("JaxbatchPagedDecode", "jaxbatch_paged_deco
                                      jnp.bfloat16),
              jnp.dtype(jnp.float32): ("JaxbatchPagedDecodeF32", "jaxbatch_paged_decode_f32",
                                       jnp.float32)}
-TARGETS = tuple(target for _, target, _ in _HANDLERS.values())
+# bf16 pages and a bf16 q: the result rounded to bf16 in the kernel
+_BF16_OUT = ("JaxbatchPagedDecodeBf16Out", "jaxbatch_paged_decode_bf16_out")
+TARGETS = tuple(target for _, target, _ in _HANDLERS.values()) + (_BF16_OUT[1],)
 NO_WINDOW = 2 ** 30
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 
 
 def unavailable_reason() -> str | None:
-    for symbol, target, _ in _HANDLERS.values():
+    for symbol, target in [h[:2] for h in _HANDLERS.values()] + [_BF16_OUT]:
         reason = availability.unavailable_reason(SOURCE, symbol, target)
         if reason:
             return reason
@@ -62,13 +64,16 @@ def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_firs
                          f"got {q.dtype} {q.shape}, {k_pages.dtype} {k_pages.shape}, "
                          f"{v_pages.dtype}{f' ({uncovered})' if uncovered else ''}")
     symbol, target, q_dtype = _HANDLERS[jnp.dtype(k_pages.dtype)]
+    out_dtype = jnp.float32
+    if q_dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16:      # rounded in the kernel
+        (symbol, target), out_dtype = _BF16_OUT, jnp.bfloat16
     reason = availability.register(SOURCE, symbol, target)
     if reason:
         raise RuntimeError(f"paged_decode cannot run here: {reason}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    out = jax.ShapeDtypeStruct(q.shape, out_dtype)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     # q in the keys' dtype, as the reference multiplies them
     result = jax.ffi.ffi_call(target, out)(

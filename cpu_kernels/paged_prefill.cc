@@ -7,6 +7,8 @@
 //                         tile_pages [T / tile, P] int32 (the block table of each tile's
 //                         sequence); window [1] int32 (a key at p is seen by a query at q when
 //                         q - window < p <= q); scale [1] f32.  -> out [T, H, D] float32.
+//   JaxbatchPagedPrefillBf16Out  the same -> out bf16, each float32 result rounded to nearest
+//                         even (what the model's convert would do next).
 //
 // One unit of work is (tile, kv head); its rows (the tile's tokens x the G query heads of the kv
 // head, token-major) go through 16 at a time, one row per float lane, so that the softmax's
@@ -28,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include "attention_simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,7 +55,7 @@ struct Problem {
   const int32_t* tile_pages;
   int32_t window;
   float scale;
-  float* out;
+  jaxbatch_simd::Out out;
   int64_t tokens, heads, head_dim, kv_heads, num_pages, block_size, tiles, tile, table_pages;
 };
 
@@ -235,8 +238,8 @@ void RowBlock(const Problem& p, int64_t n, int64_t g, int64_t r0, int64_t rows, 
                                                             std::numeric_limits<float>::min()))));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = n * p.tile + (r0 + r) / G, h = (r0 + r) % G;
-    float* out = p.out + (t * p.heads + g * G + h) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = b.acc[d][r] * inv[r];   // 0 for padding rows
+    const int64_t out0 = (t * p.heads + g * G + h) * D;
+    for (int64_t d = 0; d < D; ++d) p.out.Store(out0 + d, b.acc[d][r] * inv[r]);  // padding: 0
   }
 }
 
@@ -270,22 +273,28 @@ using F32Vector = ffi::Buffer<ffi::F32, 1>;
 using Bf16Q = ffi::Buffer<ffi::BF16, 3>;
 using Bf16Pool = ffi::Buffer<ffi::U16, 4>;
 using F32Out = ffi::Buffer<ffi::F32, 3>;
+using Bf16Out = ffi::Buffer<ffi::BF16, 3>;
 
+// Y: the output buffer, float32 or bf16.
+template <typename Y>
 ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool v,
                             I32Vector query_pos, I32Matrix tile_pages, I32Vector window,
-                            F32Vector scale, ffi::Result<F32Out> out) {
+                            F32Vector scale, ffi::Result<Y> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tile_pages.dimensions();
   auto job = std::make_shared<Job>();
   Problem& p = job->p;
   p = Problem{reinterpret_cast<const uint16_t*>(q.typed_data()), k.typed_data(), v.typed_data(),
               query_pos.typed_data(), tile_pages.typed_data(), window.typed_data()[0],
-              scale.typed_data()[0], out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
-              td[0], td[0] ? qd[0] / td[0] : 0, td[1]};
+              scale.typed_data()[0], jaxbatch_simd::Out{}, qd[0], qd[1], qd[2], kd[0], kd[1],
+              kd[2], td[0], td[0] ? qd[0] / td[0] : 0, td[1]};
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
-      p.head_dim % 2 ||
-      p.head_dim > kMaxHeadDim || query_pos.dimensions()[0] != p.tokens || p.tiles == 0 ||
+      p.head_dim % 2 || p.head_dim > kMaxHeadDim || query_pos.dimensions()[0] != p.tokens || p.tiles == 0 ||
       p.tile * p.tiles != p.tokens)
     return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");
+  if constexpr (std::is_same_v<Y, F32Out>)
+    p.out.f32 = out->typed_data();
+  else
+    p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
   job->units = p.tiles * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
@@ -294,16 +303,23 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool 
   return ffi::Error::Success();
 }
 
+template <typename Y>
+constexpr auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Bf16Q>()
+      .Arg<Bf16Pool>()
+      .Arg<Bf16Pool>()
+      .Arg<I32Vector>()
+      .Arg<I32Matrix>()
+      .Arg<I32Vector>()
+      .Arg<F32Vector>()
+      .template Ret<Y>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedPrefill, PagedPrefillImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Bf16Q>()
-                                  .Arg<Bf16Pool>()
-                                  .Arg<Bf16Pool>()
-                                  .Arg<I32Vector>()
-                                  .Arg<I32Matrix>()
-                                  .Arg<I32Vector>()
-                                  .Arg<F32Vector>()
-                                  .Ret<F32Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedPrefill, PagedPrefillImpl<F32Out>,
+                              Binding<F32Out>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedPrefillBf16Out, PagedPrefillImpl<Bf16Out>,
+                              Binding<Bf16Out>());

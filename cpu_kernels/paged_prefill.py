@@ -22,13 +22,16 @@ from cpu_kernels import availability
 
 SOURCE = "paged_prefill.cc"
 SYMBOL, TARGET = "JaxbatchPagedPrefill", "jaxbatch_paged_prefill"
-TARGETS = (TARGET,)
+# a bf16 q: the result rounded to bf16 in the kernel
+BF16_OUT_SYMBOL, BF16_OUT_TARGET = "JaxbatchPagedPrefillBf16Out", "jaxbatch_paged_prefill_bf16_out"
+TARGETS = (TARGET, BF16_OUT_TARGET)
 NO_WINDOW = 2 ** 30
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
 
 
 def unavailable_reason() -> str | None:
-    return availability.unavailable_reason(SOURCE, SYMBOL, TARGET)
+    return (availability.unavailable_reason(SOURCE, SYMBOL, TARGET)
+            or availability.unavailable_reason(SOURCE, BF16_OUT_SYMBOL, BF16_OUT_TARGET))
 
 
 def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
@@ -57,15 +60,18 @@ def paged_prefill_attention(q, k_pages, v_pages, query_pos, tile_pages, *, scale
                          f"{q.dtype} {q.shape}, {query_pos.shape}, {tile_pages.shape}, "
                          f"{k_pages.dtype} {k_pages.shape}, {v_pages.dtype}"
                          f"{f' ({uncovered})' if uncovered else ''}")
-    reason = availability.register(SOURCE, SYMBOL, TARGET)
+    symbol, target, out_dtype = SYMBOL, TARGET, jnp.float32
+    if q.dtype == jnp.bfloat16:
+        symbol, target, out_dtype = BF16_OUT_SYMBOL, BF16_OUT_TARGET, jnp.bfloat16
+    reason = availability.register(SOURCE, symbol, target)
     if reason:
         raise RuntimeError(f"paged_prefill cannot run here: {reason}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    out = jax.ShapeDtypeStruct(q.shape, out_dtype)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
-    result = jax.ffi.ffi_call(TARGET, out)(
+    result = jax.ffi.ffi_call(target, out)(
         q.astype(jnp.bfloat16), k_pages, v_pages, i32(query_pos), i32(tile_pages), window,
         scale)
     return result.astype(q.dtype)

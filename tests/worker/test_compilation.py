@@ -288,4 +288,4 @@ def test_the_store_registers_every_kernel_a_stored_step_may_call(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "registered 6" in done.stdout
+    assert f"registered {sum(len(k.TARGETS) for k in cpu_kernels.KERNELS)}" in done.stdout

@@ -82,6 +82,18 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype):
         np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], full[row])
 
 
+def test_a_bf16_q_over_bf16_pages_gets_the_float32_result_rounded_to_bf16():
+    """The bf16-out handler: exactly the float32-out handler's result (a float32 q holding the
+    same values, over the same bf16 pages) rounded to nearest even, bit for bit."""
+    (q, k, v, *items, lengths), _, _ = _decode_case(32, 9, 3, 64, 16, jnp.bfloat16, 3, 8)
+    k, v = _as_bits(k), _as_bits(v)
+    out = _kernel(q, k, v, *items, lengths, scale=0.3)
+    wide = _kernel(q.astype(jnp.float32), k, v, *items, lengths, scale=0.3)
+    assert out.dtype == jnp.bfloat16 and wide.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.asarray(wide.astype(jnp.bfloat16)).view(np.uint16))
+
+
 def test_refuses_what_it_does_not_cover():
     q = jnp.zeros((2, 4, 16), jnp.bfloat16)
     pool = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
@@ -114,7 +126,8 @@ AGREE = {jnp.bfloat16: 30, jnp.float32: 40}
 def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeypatch, dtype):
     from engines import greedy_case, run_all, tiny_engine_in, tokens_agreeing
     prompts, params = greedy_case()
-    target = paged_decode.TARGETS[0 if dtype == jnp.bfloat16 else 1]
+    # a bf16 model's q is bf16: the bf16-out handler
+    target = paged_decode.TARGETS[2 if dtype == jnp.bfloat16 else 1]
     with_kernel = tiny_engine_in(dtype)
     assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
     assert f'"{target}"' in _decode_text(with_kernel)      # the exact target name

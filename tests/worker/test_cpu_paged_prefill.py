@@ -58,6 +58,19 @@ def test_kernel_matches_its_reference(seed, heads, kv_heads, head_dim, block_siz
     assert (out32[~used] == 0).all(), f"seed={seed}: padding rows must give exactly zero"
 
 
+def test_a_bf16_q_gets_the_float32_result_rounded_to_bf16():
+    """A bf16 q takes the bf16-out handler: exactly the float32 handler's result (a float32 q
+    holding the same values) rounded to nearest even, bit for bit."""
+    (q, k, v, query_pos, tile_pages), _, _ = _prefill_case(
+        108, 9, 3, 64, 16, jnp.bfloat16, [(40, 50), (0, 30)], 1)
+    k, v = _bits(k), _bits(v)
+    out = _kernel(q, k, v, query_pos, tile_pages)
+    wide = _kernel(q.astype(jnp.float32), k, v, query_pos, tile_pages)
+    assert out.dtype == jnp.bfloat16 and wide.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.asarray(wide.astype(jnp.bfloat16)).view(np.uint16))
+
+
 def test_a_chunk_alone_equals_the_chunk_among_others():
     """Batch invariance: a chunk's result depends on its own tokens and keys only."""
     chunks = [(200, 16), (0, 48), (130, 80), (450, 32)]
@@ -103,13 +116,13 @@ def test_the_engine_prefills_with_the_kernel_and_agrees_with_the_jnp_path(monkey
     prompts, params = greedy_case()
     with_kernel = tiny_engine_in(jnp.bfloat16)
     assert with_kernel.stats()["prefill_attention"] == "cpu_kernels.paged_prefill"
-    for kind in ("prefill", "mixed"):
-        assert f'"{paged_prefill.TARGET}"' in _compiled_text(with_kernel, kind), kind
+    for kind in ("prefill", "mixed"):      # a bf16 model: the bf16-out handler
+        assert f'"{paged_prefill.BF16_OUT_TARGET}"' in _compiled_text(with_kernel, kind), kind
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
     plain = tiny_engine_in(jnp.bfloat16)
     assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["prefill_attention"]
-    assert f'"{paged_prefill.TARGET}"' not in _compiled_text(plain, "prefill")
+    assert all(f'"{t}"' not in _compiled_text(plain, "prefill") for t in paged_prefill.TARGETS)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
     assert agree >= 30, f"only {agree} of 40 greedy tokens agree before a divergence"
 
@@ -120,4 +133,4 @@ def test_float32_pools_keep_the_jnp_path():
     from engines import tiny_engine_in
     engine = tiny_engine_in(jnp.float32)
     assert "not bf16 bits" in engine.stats()["prefill_attention"]
-    assert f'"{paged_prefill.TARGET}"' not in _compiled_text(engine, "prefill")
+    assert all(f'"{t}"' not in _compiled_text(engine, "prefill") for t in paged_prefill.TARGETS)
