@@ -9,8 +9,6 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
                    pallas_kernels.xla_paged_attention.paged_decode_attention_xla)
     paged_prefill  prefill attention over bf16 KV pages (reference:
                    pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla)
-    silu_mul       silu(gate) * up over the fused gate/up output, bf16 (reference:
-                   jaxbatch.model.layers.activation(gate, "silu") * up)
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
                    (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
                    packs the weights)
@@ -27,9 +25,9 @@ JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
 """
 from __future__ import annotations
 
-from cpu_kernels import packed_gemm, paged_decode, paged_prefill, silu_mul
+from cpu_kernels import packed_gemm, paged_decode, paged_prefill
 
-KERNELS = (paged_decode, paged_prefill, packed_gemm, silu_mul)
+KERNELS = (paged_decode, paged_prefill, packed_gemm)
 
 
 def register_all() -> tuple:

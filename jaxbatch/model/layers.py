@@ -12,7 +12,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import silu_mul
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.fused import FUSED, split
@@ -134,28 +133,9 @@ def attention_block(layer, cfg: ModelConfig, x, rope, slot_mapping, pool, index,
 
 
 def mlp_block(layer, cfg: ModelConfig, x, index):
-    if _fused_silu_mul_covers(layer, cfg, x):
-        hidden = _silu_mul(_matmul_base(x, layer["w_gate_up"], index))          # [T, F]
-    else:
-        gate, up = _projections(x, layer, "w_gate_up", 2, index)
-        hidden = activation(gate, cfg.hidden_act) * up
-    return _matmul(hidden, layer["w_down"], index, layer.get("lora_w_down"))
-
-
-def _fused_silu_mul_covers(layer, cfg: ModelConfig, x) -> bool:
-    """Whether silu(gate) * up can run as one CPU kernel over the fused gate/up output: bf16
-    activations, SiLU, the fused matrix, no LoRA delta to add to either half first."""
-    return (cfg.hidden_act == "silu" and "w_gate_up" in layer
-            and not any(f"lora_{p}" in layer for p in FUSED["w_gate_up"])
-            and silu_mul.why_not(x.dtype) is None)
-
-
-def _silu_mul(gate_up):
-    """gate_up [T, 2F] (gate, then up) -> silu(gate) * up [T, F]: `cpu_kernels.silu_mul` on
-    CPU, the same jnp as the unfused path on any other platform the step is lowered for."""
-    half = gate_up.shape[-1] // 2
-    jnp_path = lambda gu: activation(gu[:, :half], "silu") * gu[:, half:]
-    return jax.lax.platform_dependent(gate_up, cpu=silu_mul.silu_mul, default=jnp_path)
+    gate, up = _projections(x, layer, "w_gate_up", 2, index)
+    return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index,
+                   layer.get("lora_w_down"))
 
 
 def moe_block(layer, cfg: ModelConfig, x, index):
