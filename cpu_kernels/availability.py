@@ -6,6 +6,7 @@ import os
 import platform
 
 import jax
+import jax.numpy as jnp
 
 from cpu_kernels import build
 
@@ -52,3 +53,29 @@ def unavailable_reason(source: str, symbol: str, target: str) -> str | None:
     if reason and setting == "1":
         raise RuntimeError(f"JAXBATCH_CPU_KERNELS=1, but {source} cannot run: {reason}")
     return reason
+
+
+def attention_heads_uncovered(num_heads, num_kv_heads, head_dim, soft_cap, max_group,
+                              max_head_dim) -> str | None:
+    """What an attention kernel here does not cover in a model's heads, or None: a soft cap,
+    more than `max_group` query heads per kv head, head_dim past `max_head_dim`."""
+    if soft_cap is not None:
+        return "attention soft cap"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > max_group or head_dim > max_head_dim:
+        return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
+    return None
+
+
+def require(source: str, symbol: str, target: str, kernel: str) -> None:
+    """Registers the handler, or raises RuntimeError saying why `kernel` cannot run here."""
+    reason = register(source, symbol, target)
+    if reason:
+        raise RuntimeError(f"{kernel} cannot run here: {reason}")
+
+
+def attention_operands(head_dim: int, scale, window, no_window: int) -> tuple:
+    """(window [1] int32, scale [1] float32): operands, not attributes, as either may be traced
+    (a layer's window comes from the layer scan)."""
+    scale = head_dim ** -0.5 if scale is None else scale
+    return (jnp.full((1,), no_window if window is None else window, jnp.int32),
+            jnp.full((1,), scale, jnp.float32))

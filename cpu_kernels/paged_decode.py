@@ -44,11 +44,8 @@ def unavailable_reason() -> str | None:
 def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
     if jnp.dtype(pool_dtype) not in _HANDLERS:
         return f"{jnp.dtype(pool_dtype).name} pages, neither bf16 bits nor float32"
-    if soft_cap is not None:
-        return "attention soft cap"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
-        return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
-    return None
+    return availability.attention_heads_uncovered(num_heads, num_kv_heads, head_dim, soft_cap,
+                                                  MAX_GROUP, MAX_HEAD_DIM)
 
 
 def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str | None:
@@ -67,12 +64,8 @@ def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_firs
     out_dtype = jnp.float32
     if q_dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16:      # rounded in the kernel
         (symbol, target), out_dtype = _BF16_OUT, jnp.bfloat16
-    reason = availability.register(SOURCE, symbol, target)
-    if reason:
-        raise RuntimeError(f"paged_decode cannot run here: {reason}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
-    scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
+    availability.require(SOURCE, symbol, target, "paged_decode")
+    window, scale = availability.attention_operands(q.shape[-1], scale, window, NO_WINDOW)
     out = jax.ShapeDtypeStruct(q.shape, out_dtype)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     # q in the keys' dtype, as the reference multiplies them

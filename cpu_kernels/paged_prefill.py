@@ -37,11 +37,8 @@ def unavailable_reason() -> str | None:
 def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:
     if jnp.dtype(pool_dtype) != jnp.uint16:
         return f"{jnp.dtype(pool_dtype).name} pages, not bf16 bits"
-    if soft_cap is not None:
-        return "attention soft cap"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
-        return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
-    return None
+    return availability.attention_heads_uncovered(num_heads, num_kv_heads, head_dim, soft_cap,
+                                                  MAX_GROUP, MAX_HEAD_DIM)
 
 
 def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str | None:
@@ -63,12 +60,8 @@ def paged_prefill_attention(q, k_pages, v_pages, query_pos, tile_pages, *, scale
     symbol, target, out_dtype = SYMBOL, TARGET, jnp.float32
     if q.dtype == jnp.bfloat16:
         symbol, target, out_dtype = BF16_OUT_SYMBOL, BF16_OUT_TARGET, jnp.bfloat16
-    reason = availability.register(SOURCE, symbol, target)
-    if reason:
-        raise RuntimeError(f"paged_prefill cannot run here: {reason}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
-    scale = jnp.full((1,), scale, jnp.float32)             # an operand: it may be traced
+    availability.require(SOURCE, symbol, target, "paged_prefill")
+    window, scale = availability.attention_operands(q.shape[-1], scale, window, NO_WINDOW)
     out = jax.ShapeDtypeStruct(q.shape, out_dtype)
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     result = jax.ffi.ffi_call(target, out)(

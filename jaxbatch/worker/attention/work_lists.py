@@ -58,22 +58,11 @@ class WorkListBackend(AttentionBackend):
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
         item_slot, item_pages, item_first_pos, lengths = meta
-
-        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
-            args = (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths)
-            jnp_path = lambda *a: xla_paged_attention.paged_decode_attention_xla(
-                *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
-            # (int8 pools, the only ones with scales, are not covered: why_not says so)
-            if paged_decode.why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2],
-                                    soft_cap) is None:
-                # bf16 or float32 pages on a CPU with AVX512-BF16: one custom call per layer, not
-                # dozens of small ops; the same function lowered for another platform keeps
-                # the jnp path.
-                kernel = lambda *a: paged_decode.paged_decode_attention(
-                    *a, scale=scale, window=window)
-                return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
-            return jnp_path(*args)
-        return attend
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
+            _kernel_or_jnp(paged_decode.why_not, paged_decode.paged_decode_attention,
+                           xla_paged_attention.paged_decode_attention_xla,
+                           (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos,
+                            lengths), scale, scales, window, soft_cap))
 
     def decode_kernel(self, pool_dtype, model_cfg) -> str:
         reason = paged_decode.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
@@ -88,16 +77,21 @@ class WorkListBackend(AttentionBackend):
     def prefill_attend(self, meta, scale):
         """meta = (query_pos [T], tile_pages [T / PREFILL_TILE, P])"""
         query_pos, tile_pages = meta
+        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
+            _kernel_or_jnp(paged_prefill.why_not, paged_prefill.paged_prefill_attention,
+                           xla_paged_attention.tiled_prefill_attention_xla,
+                           (q, k_pages, v_pages, query_pos, tile_pages + off), scale, scales,
+                           window, soft_cap))
 
-        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
-            args = (q, k_pages, v_pages, query_pos, tile_pages + off)
-            jnp_path = lambda *a: xla_paged_attention.tiled_prefill_attention_xla(
-                *a, scale=scale, **scale_kwargs(scales, window, soft_cap))
-            if paged_prefill.why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2],
-                                     soft_cap) is None:
-                # bf16 pages on a CPU with AVX512-BF16 (as for decode above)
-                kernel = lambda *a: paged_prefill.paged_prefill_attention(
-                    *a, scale=scale, window=window)
-                return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
-            return jnp_path(*args)
-        return attend
+
+def _kernel_or_jnp(why_not, kernel_fn, jnp_fn, args, scale, scales, window, soft_cap):
+    """A `cpu_kernels` attention kernel (`kernel_fn`) where it covers this call's pool and
+    heads on this machine (`why_not` is None): one custom call per layer instead of XLA's loop
+    of small ops. The same function lowered for another platform, and any call the kernel does
+    not cover (int8 pools, the only ones with scales, among them), keep `jnp_fn`."""
+    q, k_pages = args[0], args[1]
+    jnp_path = lambda *a: jnp_fn(*a, scale=scale, **scale_kwargs(scales, window, soft_cap))
+    if why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], soft_cap):
+        return jnp_path(*args)
+    kernel = lambda *a: kernel_fn(*a, scale=scale, window=window)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
