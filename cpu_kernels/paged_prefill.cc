@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -74,7 +73,6 @@ inline uint32_t Pair(const uint16_t* x) {
 
 // One block of rows: their query pairs transposed, masks' bounds and softmax state.
 struct Block {
-  int64_t rows;                                        // in use, <= kLanes
   alignas(64) uint32_t qt[kMaxHeadDim / 2][kLanes];    // (q[r][2p], q[r][2p + 1]) at [p][r]
   __m512i lo, hi;                                      // lane r sees keys lo <= key <= hi
   __m512 m, l;
@@ -192,7 +190,6 @@ void RowBlock(const Problem& p, int64_t n, int64_t g, int64_t r0, int64_t rows, 
   const int64_t D = p.head_dim, G = p.heads / p.kv_heads, bs = p.block_size;
   alignas(64) int32_t lo[kLanes], hi[kLanes];
   int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
-  b.rows = rows;
   for (int64_t r = 0; r < kLanes; ++r) {
     const int64_t t = n * p.tile + (r0 + r) / G, h = (r0 + r) % G;
     const int64_t pos = r < rows ? p.query_pos[t] : -1;

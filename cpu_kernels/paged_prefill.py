@@ -2,8 +2,9 @@
 `pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla`, its reference.
 
 XLA:CPU runs the reference as a loop of gathers, batched dots, masks and exponentials per
-block of keys, each op a pass over memory; the kernel walks each tile's keys once per group of
-its tokens, in place, with an online softmax, computing only the causal part.
+block of keys, each op a pass over memory; the kernel walks each tile's keys once per block of
+16 rows (tokens x query heads), in place, with an online softmax, up to the block's last
+position only.
 
     unavailable_reason()   None where the kernel runs on this machine, else why not
     why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
