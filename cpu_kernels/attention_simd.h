@@ -29,7 +29,8 @@ inline __m512 Reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-// e^x for x <= 0 (softmax arguments), relative error about 1e-7: 2^n e^r, |r| <= ln2 / 2.
+// e^x, relative error about 1e-7: 2^n e^r, |r| <= ln2 / 2. Below -87 it gives e^-87 (the
+// softmax needs no less); past 88.7 it overflows to infinity, as expf does.
 inline __m512 Exp(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),

@@ -9,6 +9,12 @@
 //   JaxbatchPackedGemmBf16Out  as JaxbatchPackedGemm -> y [M, N] bf16, each float32 result
 //                          rounded to nearest even (XLA's convert; a bf16 model's activations
 //                          would take that convert next anyway, as an op of its own).
+//   JaxbatchPackedGemmSiluMul  as JaxbatchPackedGemm over a fused [gate | up] weight (N = 2 I)
+//                          -> y [M, I] bf16 = silu(gate) * up, computed as the model's jnp
+//                          does it (`layers.activation`): gate and up rounded to bf16, then
+//                          bf16(gate * sigmoid(gate)) * up rounded to bf16. The MLP's
+//                          activation becomes the GEMM's epilogue: no [M, 2 I] result to
+//                          write, read back and split, and no elementwise op of its own.
 //
 // A step of the inner loop reads one 64-byte line of each of a few column blocks and meets it
 // with a broadcast of one (bf16: a pair of) x value(s) per row: `vdpbf16ps` on bf16, FMAs on
@@ -29,6 +35,8 @@
 #include <memory>
 #include <type_traits>
 
+#include "attention_simd.h"
+#include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -72,6 +80,10 @@ struct Problem {
   float* y;          // float32 output, or
   uint16_t* y_bf16;  // bf16 output (bits), rounded to nearest even as XLA's convert rounds
   int64_t m, k, n_blocks;
+  // Blocks a register tile's blocks lie apart: 1, or for silu * up the gate's block count, so
+  // that a tile holds gate block b and up block b (silu_mul true; y has n_blocks / 2 blocks).
+  int64_t jump = 1;
+  bool silu_mul = false;
   int64_t steps() const { return k / Step<T>::kPerStep; }
   // elements of one packed column block: steps lines of 64 bytes
   int64_t block_elems() const { return steps() * (64 / sizeof(T)); }
@@ -91,11 +103,30 @@ struct NextLines {
   int64_t first = 0, count = 0, every = 1;
 };
 
+// f rounded to bf16 (nearest even), as float32.
+inline __m512 RoundBf16(__m512 f) {
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(f);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 outputs of silu(gate) * up from float32 accumulators, as `layers.activation` and the
+// multiply after it compute them on bf16 gate and up: g = bf16(gate), u = bf16(up),
+// bf16(bf16(g * sigmoid(g)) * u) with sigmoid(g) = 1 / (1 + e^-g) in the same order (e^-g
+// overflows to infinity below g = -88.7, and sigmoid to 0, as there).
+inline void SiluMulStore(__m512 gate, __m512 up, uint16_t* y) {
+  const __m512 g = RoundBf16(gate), u = RoundBf16(up), one = _mm512_set1_ps(1.0f);
+  const __m512 e = jaxbatch_simd::Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  const __m512 a = RoundBf16(_mm512_mul_ps(g, sigmoid));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, u)));
+}
+
 // y[r, 16 b .. 16 (b + NB)) for rows r0 .. r0 + MR, blocks b .. b + NB.
 template <typename T, int MR, int NB, Prefetch kPrefetch>
 void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) {
   constexpr int64_t kLine = 64 / sizeof(T);
-  const int64_t steps = p.steps(), stride = p.block_elems();
+  const int64_t steps = p.steps(), stride = p.block_elems(), jump = p.jump * stride;
   const T* x = p.x + r0 * p.k;
   const T* w = p.w + b * stride;
   __m512 acc[MR][NB];
@@ -106,19 +137,26 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
   for (int64_t s = 0; s < steps; ++s) {
     if (kPrefetch == Prefetch::kOwn && s + kPrefetchLines < steps)
       for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * stride + (s + kPrefetchLines) * kLine),
-                     _MM_HINT_T0);
+        _mm_prefetch(
+            reinterpret_cast<const char*>(w + j * jump + (s + kPrefetchLines) * kLine),
+            _MM_HINT_T0);
     if (kPrefetch == Prefetch::kNext && --countdown == 0) {
       countdown = next.every;
       if (q < q_end)
         for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * stride + q * kLine),
+          _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * jump + q * kLine),
                        _MM_HINT_T1);
       ++q;
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
-      for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Madd(acc[i][j], w + j * stride + s * kLine, xb);
+      for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Madd(acc[i][j], w + j * jump + s * kLine, xb);
+    }
+  }
+  if constexpr (NB == 2) {
+    if (p.silu_mul) {
+      for (int i = 0; i < MR; ++i) SiluMulStore(acc[i][0], acc[i][1], p.y_bf16 + (r0 + i) * p.jump * 16 + b * 16);
+      return;
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -176,6 +214,7 @@ void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold) {
 
 template <typename T>
 void RunUnit(const Problem<T>& p, int64_t unit, int64_t next_unit, bool cold) {
+  if (p.silu_mul) return Panel<T, 2>(p, unit, next_unit, cold);   // gate block unit, its up block
   const int64_t b = unit * kBlocks;
   const int64_t next_b = next_unit < 0 ? -1 : next_unit * kBlocks;
   switch (std::min<int64_t>(kBlocks, p.n_blocks - b)) {
@@ -191,6 +230,7 @@ struct Job {
   int64_t units;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   // A thread claims its next unit before it starts the current one, so that it can prefetch
   // the next panel while it computes.
@@ -209,9 +249,10 @@ struct Job {
 // costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
-// y [M, N]: float32, or bf16 (its bits as uint16) for the bf16 handler of a bf16 model.
-template <typename T, typename X, typename W, typename Y>
-ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
+// y [M, N]: float32, or bf16 (its bits as uint16) for the bf16 handler of a bf16 model;
+// kSiluMul: y [M, N / 2] bf16, silu(gate) * up.
+template <typename T, typename X, typename W, typename Y, bool kSiluMul = false>
+ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   constexpr int64_t kLine = 64 / sizeof(T);
   constexpr bool kBf16Out = std::is_same_v<Y, ffi::Buffer<ffi::BF16, 2>>;
@@ -225,19 +266,23 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
   job->p = Problem<T>{reinterpret_cast<const T*>(x.typed_data()),
                       reinterpret_cast<const T*>(w.typed_data()), y32, y16,
                       xd[0], xd[1], wd[0]};
-  if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 ||
-      wd[1] != xd[1] / Step<T>::kPerStep || yd[0] != xd[0] || yd[1] != wd[0] * 16)
-    return ffi::Error::InvalidArgument("packed_gemm: x [M, K] and w packed for K, y [M, N]");
-  if (job->p.m == 0 || job->p.n_blocks == 0) return ffi::Error::Success();
+  const int64_t out_blocks = kSiluMul ? wd[0] / 2 : wd[0];
+  if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 || wd[1] != xd[1] / Step<T>::kPerStep ||
+      yd[0] != xd[0] || yd[1] != out_blocks * 16 || (kSiluMul && wd[0] % 2 != 0))
+    return jaxbatch_pool::Ready(
+        ffi::Error::InvalidArgument("packed_gemm: x [M, K] and w packed for K, y [M, N]"));
+  if (job->p.m == 0 || job->p.n_blocks == 0) return jaxbatch_pool::Ready();
   job->units = (job->p.n_blocks + kBlocks - 1) / kBlocks;
+  if constexpr (kSiluMul) {
+    job->p.jump = out_blocks;
+    job->p.silu_mul = true;
+    job->units = out_blocks;
+  }
   const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
   // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
   const int64_t helpers =
       macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
-  return ffi::Error::Success();
+  return jaxbatch_pool::Run(pool, job, helpers);
 }
 
 template <typename X, typename W, typename Y>
@@ -262,6 +307,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16
                               (Binding<Bf16X, Bf16W, F32Y>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmBf16Out,
                               (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y>),
+                              (Binding<Bf16X, Bf16W, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmSiluMul,
+                              (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y, true>),
                               (Binding<Bf16X, Bf16W, Bf16Y>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W, F32Y>),
                               (Binding<F32X, F32W, F32Y>()));

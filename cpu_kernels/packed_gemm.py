@@ -11,6 +11,9 @@ output in k order whatever the batch (so a row's result is the same solo or batc
     unpack(packed)           -> w [K, N] (bf16 from bits), for whoever needs the plain matrix
     in_out_shape(packed)     -> (K, N)
     matmul(x [.., K], packed, out_dtype=float32) -> [.., N] in out_dtype
+    silu_mul(x [.., K], packed [gate | up]) -> [.., N / 2] bf16: silu(x @ gate) * (x @ up),
+                             the MLP's activation as the GEMM's epilogue (bf16 only)
+    silu_mul_why_not(packed) None where `silu_mul` covers this packed weight here
 """
 from __future__ import annotations
 
@@ -28,14 +31,16 @@ _HANDLERS = {jnp.dtype(jnp.uint16): ("JaxbatchPackedGemm", "jaxbatch_packed_gemm
                                       jnp.float32, 1)}
 # bf16 weights, bf16 x, the result rounded to bf16 in the kernel (a bf16 model's layers)
 _BF16_OUT = ("JaxbatchPackedGemmBf16Out", "jaxbatch_packed_gemm_bf16_out")
-TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values()) + (_BF16_OUT[1],)
+# bf16 [gate | up] weights, bf16 x -> silu(gate) * up in bf16 (a bf16 model's MLP)
+_SILU_MUL = ("JaxbatchPackedGemmSiluMul", "jaxbatch_packed_gemm_silu_mul")
+TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values()) + (_BF16_OUT[1], _SILU_MUL[1])
 BLOCK = 16                                  # output columns per packed block (one zmm of f32)
 _STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32):
            jnp.dtype(jnp.float32)}
 
 
 def unavailable_reason() -> str | None:
-    for symbol, target in [h[:2] for h in _HANDLERS.values()] + [_BF16_OUT]:
+    for symbol, target in [h[:2] for h in _HANDLERS.values()] + [_BF16_OUT, _SILU_MUL]:
         reason = availability.unavailable_reason(SOURCE, symbol, target)
         if reason:
             return reason
@@ -101,3 +106,30 @@ def matmul(x, packed, out_dtype=jnp.float32):
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), result_dtype))(
         x2, packed)
     return y.reshape(*lead, n).astype(out_dtype)
+
+
+def silu_mul_why_not(packed) -> str | None:
+    """None where `silu_mul` covers this packed [gate | up] weight on this machine."""
+    if jnp.dtype(packed.dtype) != jnp.uint16:
+        return f"{jnp.dtype(packed.dtype).name} weights, not bf16"
+    if packed.shape[0] % 2:
+        return f"{packed.shape[0]} column blocks: gate and up not {BLOCK}-column blocks each"
+    return unavailable_reason()
+
+
+def silu_mul(x, packed):
+    """x [.., K] bf16 @ the packed bf16 [K, 2 I] weight [gate | up] -> [.., I] bf16:
+    silu(gate) * up as `jaxbatch.model.layers.activation` computes it on the bf16 gate and up
+    (its reference: `matmul(x, packed, bfloat16)` split in two, then that activation times up)."""
+    reason = silu_mul_why_not(packed)
+    if reason:
+        raise RuntimeError(f"packed_gemm.silu_mul cannot run here: {reason}")
+    k, n = in_out_shape(packed)
+    if x.shape[-1] != k:
+        raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
+    availability.require(SOURCE, *_SILU_MUL, "packed_gemm.silu_mul")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(jnp.bfloat16)
+    y = jax.ffi.ffi_call(_SILU_MUL[1], jax.ShapeDtypeStruct((x2.shape[0], n // 2), jnp.bfloat16))(
+        x2, packed)
+    return y.reshape(*lead, n // 2)

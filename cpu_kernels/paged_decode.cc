@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "attention_simd.h"
+#include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -320,6 +321,7 @@ struct Job {
   int64_t workers;  // the calling thread and its helpers
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   void Work() {
     int64_t u = next.fetch_add(1, std::memory_order_relaxed);
@@ -346,7 +348,7 @@ using F32Vector = ffi::Buffer<ffi::F32, 1>;
 
 // T: the pool's element type; Q, Pool, Y: the FFI buffers of q, of the pages and of out.
 template <typename T, typename Q, typename Pool, typename Y>
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
+ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
                            I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
                            I32Vector window, F32Vector scale, ffi::Result<Y> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
@@ -360,7 +362,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector 
                  qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch)
-    return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
+    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("paged_decode: unsupported shapes"));
   if constexpr (std::is_same_v<Y, F32Array3>)
     p.out.f32 = out->typed_data();
   else
@@ -378,10 +380,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector 
   job->units = p.batch * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
   job->workers = std::max<int64_t>(helpers, 0) + 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
-  return ffi::Error::Success();
+  return jaxbatch_pool::Run(pool, job, helpers);
 }
 
 template <typename Q, typename Pool, typename Y>

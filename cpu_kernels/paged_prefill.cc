@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "attention_simd.h"
+#include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -253,6 +254,7 @@ struct Job {
   int64_t units;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   void Work() {
     for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
@@ -274,7 +276,7 @@ using Bf16Out = ffi::Buffer<ffi::BF16, 3>;
 
 // Y: the output buffer, float32 or bf16.
 template <typename Y>
-ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool v,
+ffi::Future PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool v,
                             I32Vector query_pos, I32Matrix tile_pages, I32Vector window,
                             F32Vector scale, ffi::Result<Y> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tile_pages.dimensions();
@@ -287,17 +289,14 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool 
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
       p.head_dim % 2 || p.head_dim > kMaxHeadDim || query_pos.dimensions()[0] != p.tokens || p.tiles == 0 ||
       p.tile * p.tiles != p.tokens)
-    return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");
+    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("paged_prefill: unsupported shapes"));
   if constexpr (std::is_same_v<Y, F32Out>)
     p.out.f32 = out->typed_data();
   else
     p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
   job->units = p.tiles * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
-  return ffi::Error::Success();
+  return jaxbatch_pool::Run(pool, job, helpers);
 }
 
 template <typename Y>

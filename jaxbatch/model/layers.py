@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import packed_gemm
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.fused import FUSED, split
@@ -57,12 +58,14 @@ def _projections(x, layer, fused_name: str, widths, index) -> list:
     return [_add_lora(out, x, layer.get(f"lora_{p}")) for p, out in zip(parts, outs)]
 
 
-def _matmul_base(x, weight, index):
+def _matmul_base(x, weight, index, fn=None):
+    """fn(x, this layer's weight), `_dense` by default."""
+    fn = fn or _dense
     if not isinstance(weight, tuple):
-        return _dense(x, weight)
+        return fn(x, weight)
     if len(weight) == 1:
-        return _dense(x, weight[0])
-    return jax.lax.switch(index, [lambda x, w=w: _dense(x, w) for w in weight], x)
+        return fn(x, weight[0])
+    return jax.lax.switch(index, [lambda x, w=w: fn(x, w) for w in weight], x)
 
 
 def unsharded(fn):
@@ -133,9 +136,32 @@ def attention_block(layer, cfg: ModelConfig, x, rope, slot_mapping, pool, index,
 
 
 def mlp_block(layer, cfg: ModelConfig, x, index):
-    gate, up = _projections(x, layer, "w_gate_up", 2, index)
-    return _matmul(activation(gate, cfg.hidden_act) * up, layer["w_down"], index,
+    return _matmul(_activated(x, layer, cfg, index), layer["w_down"], index,
                    layer.get("lora_w_down"))
+
+
+# Calls of at least this many tokens take silu * up as the GEMM's epilogue (`_activated`).
+# In a call of a few decode rows the epilogue's exponentials and divisions cost about what
+# XLA's separate elementwise op costs there; in prefill calls the op costs more than the
+# epilogue (docs/BENCHMARKS.md, 2026-12-05 morning).
+SILU_EPILOGUE_MIN_ROWS = 32
+
+
+def _activated(x, layer, cfg: ModelConfig, index):
+    """activation(x @ gate) * (x @ up). Where the layer's fused [gate | up] matrix is packed
+    for our bf16 GEMM kernel (silu, no LoRA on gate or up, a call of at least
+    SILU_EPILOGUE_MIN_ROWS tokens), one kernel call whose epilogue applies the activation
+    (`packed_gemm.silu_mul`: the same bits as the two steps below, without their [T, 2 I]
+    intermediate); else the GEMM, then the activation."""
+    w = layer.get("w_gate_up")
+    if (cfg.hidden_act == "silu" and x.dtype == jnp.bfloat16 and isinstance(w, tuple)
+            and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
+            and all(precision.is_packed(p) for p in w)
+            and not any(f"lora_{p}" in layer for p in FUSED["w_gate_up"])
+            and packed_gemm.silu_mul_why_not(w[0][precision.PACKED]) is None):
+        return _matmul_base(x, w, index, lambda x, w: packed_gemm.silu_mul(x, w[precision.PACKED]))
+    gate, up = _projections(x, layer, "w_gate_up", 2, index)
+    return activation(gate, cfg.hidden_act) * up
 
 
 def moe_block(layer, cfg: ModelConfig, x, index):

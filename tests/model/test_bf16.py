@@ -30,7 +30,7 @@ _OPCODE = re.compile(r"%([\w.\-]+) = \S+ ([\w\-]+)\(")
 _VIEWS = {"parameter", "get-tuple-element", "tuple", "bitcast"}
 _DOT = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
 _GEMM = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* custom-call\(%([\w.\-]+), %([\w.\-]+)\)"
-                   r".*custom_call_target=\"jaxbatch_packed_gemm(_bf16_out)?\"")
+                   r".*custom_call_target=\"jaxbatch_packed_gemm(_bf16_out|_silu_mul)?\"")
 
 
 def _bf16(loaded: LoadedModel) -> LoadedModel:
@@ -129,7 +129,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
             assert not copies, (key, copies[:5])
         # Dots whose weight operand is bf16, accumulated in f32: each layer matrix and the head
         # (the packed GEMM's: a bf16 x and the weight's bf16 bits, a float32 result or, from
-        # its bf16-out handler, the float32 sums rounded to bf16 in the kernel).
+        # its bf16-out and silu-mul handlers, bf16 rounded in the kernel from float32 sums).
         bf16_dots = set()
         for m in _DOT.finditer(text):
             operands = [shapes.get(m[4]), shapes.get(m[5])]

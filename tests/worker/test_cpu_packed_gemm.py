@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import packed_gemm
+from jaxbatch.model.layers import SILU_EPILOGUE_MIN_ROWS
 
 REASON = packed_gemm.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
@@ -87,6 +88,38 @@ def test_bf16_out_is_the_float32_result_rounded(m, k, n):
                                   np.asarray(rounded).view(np.uint16))
 
 
+def _silu_mul_reference(x, packed):
+    """What the model computes without the epilogue: the bf16 GEMM, split, then
+    `layers.activation` times up."""
+    from jaxbatch.model.layers import activation
+    gate, up = jnp.split(packed_gemm.matmul(x, packed, jnp.bfloat16), 2, axis=-1)
+    return activation(gate, "silu") * up
+
+
+@pytest.mark.parametrize("m,k,i", [(1, 2, 16), (3, 30, 32), (9, 576, 48), (37, 576, 1536),
+                                   (64, 128, 80)])
+def test_silu_mul_is_the_activation_of_the_bf16_gemm_bit_for_bit(m, k, i):
+    """Gate and up rounded to bf16, silu in float32, both products rounded as the model's jnp
+    rounds them: the same bits, over gates of a few units to a few hundred (where e^-g
+    overflows and the sigmoid is 0)."""
+    x, w = _case(3 * m + i, m, k, 2 * i, jnp.bfloat16)
+    x = (x.astype(np.float32) * 4).astype(jnp.bfloat16)
+    packed = jnp.asarray(packed_gemm.pack(w))
+    out = jax.jit(packed_gemm.silu_mul)(jnp.asarray(x), packed)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, i)
+    ref = jax.jit(_silu_mul_reference)(jnp.asarray(x), packed)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16))
+
+
+def test_silu_mul_refuses_what_it_does_not_cover():
+    _, w = _case(1, 1, 4, 48, jnp.bfloat16)             # 3 column blocks: no gate/up halves
+    assert "column blocks" in packed_gemm.silu_mul_why_not(packed_gemm.pack(w))
+    _, w32 = _case(1, 1, 4, 32, jnp.float32)
+    assert "float32" in packed_gemm.silu_mul_why_not(packed_gemm.pack(w32))
+    with pytest.raises(RuntimeError, match="silu_mul cannot run"):
+        packed_gemm.silu_mul(jnp.zeros((2, 4), jnp.bfloat16), jnp.asarray(packed_gemm.pack(w)))
+
+
 def test_leading_axes_and_the_input_dtype():
     x, w = _case(5, 6, 32, 16, jnp.bfloat16)
     packed = jnp.asarray(packed_gemm.pack(w))
@@ -115,10 +148,14 @@ def test_the_switch_turns_it_off(monkeypatch):
 
 
 def _compiled_texts(engine):
+    """{key: compiled text} of the largest decode and prefill calls, and of the smallest
+    prefill call when that one is under SILU_EPILOGUE_MIN_ROWS tokens."""
     runner = engine.runner
     keys = runner.layout.bucket_shapes()
-    keys = [[k for k in keys if k[0] == kind][-1] for kind in ("decode", "prefill")]
-    return [runner.executables.lower(k, runner.example_args(k)).compile().as_text() for k in keys]
+    prefills = [k for k in keys if k[0] == "prefill"]
+    keys = [[k for k in keys if k[0] == "decode"][-1], prefills[-1], prefills[0]]
+    return {k: runner.executables.lower(k, runner.example_args(k)).compile().as_text()
+            for k in keys}
 
 
 # greedy tokens of 40 that must agree before a divergence: the kernel sums in XLA's order here,
@@ -136,17 +173,24 @@ def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypat
     with_kernel = tiny_engine_in(dtype)
     assert with_kernel.stats()["matmuls"] == "cpu_kernels.packed_gemm"
     layers = with_kernel.runner.model_cfg.num_layers
-    for text in _compiled_texts(with_kernel):               # prefill and decode alike
-        # one call per layer of each of wqkv, wo, w_gate_up and w_down, and the head's
+    texts = _compiled_texts(with_kernel)
+    assert {k[1] >= SILU_EPILOGUE_MIN_ROWS for k in texts} == {True, False}
+    for key, text in texts.items():                         # prefill and decode alike
+        # one call per layer of each of wqkv, wo, w_gate_up and w_down, and the head's; a bf16
+        # call of SILU_EPILOGUE_MIN_ROWS tokens or more takes silu * up in w_gate_up's call
         calls = {t: text.count(f'custom_call_target="{t}"') for t in packed_gemm.TARGETS}
         expected = {target: 1}
-        expected[layer_target] = expected.get(layer_target, 0) + 4 * layers
-        assert {t: n for t, n in calls.items() if n} == expected, calls
+        if dtype == jnp.bfloat16 and key[1] >= SILU_EPILOGUE_MIN_ROWS:
+            expected[packed_gemm.TARGETS[3]] = layers
+            expected[layer_target] = expected.get(layer_target, 0) + 3 * layers
+        else:
+            expected[layer_target] = expected.get(layer_target, 0) + 4 * layers
+        assert {t: n for t, n in calls.items() if n} == expected, (key, calls)
     outs = run_all(with_kernel, prompts, params)
     monkeypatch.setattr(packed_gemm, "why_not", lambda *a: "off")
     plain = tiny_engine_in(dtype)
     assert plain.stats()["matmuls"] == "XLA dots"
-    assert all(f'"{t}"' not in text for text in _compiled_texts(plain)
+    assert all(f'"{t}"' not in text for text in _compiled_texts(plain).values()
                for t in packed_gemm.TARGETS)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=1e-3)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"

@@ -1,0 +1,70 @@
+// How a kernel here runs its units of work on XLA's intra-op thread pool (packed_gemm.cc,
+// paged_decode.cc, paged_prefill.cc). build.py hashes this header with each source.
+//
+// XLA:CPU runs an executable's ops on the thread that started it (jax's calling thread) until
+// an op completes on a pool thread, and from then on that thread carries on. A kernel called on
+// a pool thread works there beside `helpers` scheduled tasks and returns when every unit is
+// done: two busy threads on a two-core machine. Called on any other thread, working there too
+// would put a third thread beside the pool's (which spin a while after a task before they
+// sleep), and every kernel of the step would share the cores three ways. So there the kernel
+// only schedules its tasks and returns a future that the last of them completes: XLA continues
+// the step on that pool thread, and the kernels after it find themselves on the pool.
+#pragma once
+
+#include <immintrin.h>
+#include <pthread.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxbatch_pool {
+
+namespace ffi = xla::ffi;
+
+// Whether this thread is one of XLA's intra-op pool threads ("XLAEigen", named tf_XLAEigen by
+// TSL). A thread misjudged either way still gets every unit done, only on other threads.
+inline bool OnPoolThread() {
+  thread_local int cached = -1;
+  if (cached < 0) {
+    char name[16] = {0};
+    pthread_getname_np(pthread_self(), name, sizeof name);
+    cached = std::strncmp(name, "tf_XLAEigen", 11) == 0;
+  }
+  return cached != 0;
+}
+
+// A future that is already complete: the kernel finished, or failed, on the calling thread.
+inline ffi::Future Ready(ffi::Error error = ffi::Error::Success()) {
+  ffi::Promise promise;
+  if (error.success())
+    promise.SetAvailable();
+  else
+    promise.SetError(std::move(error));
+  return ffi::Future(promise);
+}
+
+// Runs job->Work() until every one of job->units is done (job->done counts them), on the
+// calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job:
+// Work(), units, done, and a CountDownPromise `finished`.
+template <typename Job>
+ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers) {
+  if (helpers > 0 && !OnPoolThread()) {
+    job->finished = ffi::CountDownPromise(helpers + 1);
+    ffi::Future finished(job->finished);
+    for (int64_t i = 0; i <= helpers; ++i)
+      pool.Schedule([job] {
+        job->Work();
+        job->finished.CountDown(1);
+      });
+    return finished;
+  }
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
+  return Ready();
+}
+
+}  // namespace jaxbatch_pool
