@@ -11,9 +11,10 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
                    pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla)
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
                    (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
-                   packs the weights)
+                   packs the weights); silu_mul, the MLP's silu(gate) * up as its epilogue
 
-attention_simd.h holds the SIMD pieces the two attention kernels share.
+attention_simd.h holds the SIMD pieces the kernels share; pool_dispatch.h how each runs its
+work on XLA's intra-op threads (and hands it to them when called on another thread).
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
 
