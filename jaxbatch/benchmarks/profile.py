@@ -9,6 +9,11 @@ max-num-seqs requests. Host/device overlap is off and every executable is waited
 call's wall time is its device time (observer.ExecutableTimer on the runner's hook) (the run is slower than a normal one by the host's share;
 what it is for is the split). Prints calls and seconds per kind (decode, prefill, sample, ...)
 and per key, and the prefill tokens computed against the prompt tokens (bucket padding).
+
+Last, the workload's compute floor: its FLOPs (every prompt and output token through the layer
+matrices, the LM head once per output token, attention over each token's context) at the
+GEMM peak measured in the same run (`roofline.gemm_peak`), against the device seconds: the
+share of the machine's arithmetic the run used, and so the most any engine could gain here.
 """
 from __future__ import annotations
 
@@ -60,13 +65,33 @@ def main(argv=None) -> dict:
     print(table(["key", "calls", "seconds", "ms per call"],
                 [[key, n, f"{seconds:.2f}", f"{1e3 * seconds / n:.1f}"]
                  for key, (n, seconds) in sorted(per_key.items(), key=lambda kv: -kv[1][1])]))
-    report = {"wall_s": wall, "output_tokens": tokens, "prefill_tokens": prefill_tokens,
+    floor = workload_floor(llm.llm_engine, outs)
+    device_s = sum(seconds for _, seconds in kinds.values())
+    print(f"compute floor: {floor['gflop']:.0f} GFLOP at {floor['peak_tflops']:.2f} TFLOP/s "
+          f"(measured) = {floor['seconds']:.2f} s, {tokens / floor['seconds']:.0f} output tok/s; "
+          f"device time {device_s:.2f} s = {device_s / floor['seconds']:.2f} x the floor")
+    report = {"wall_s": wall, "floor": floor, "device_s": device_s, "output_tokens": tokens, "prefill_tokens": prefill_tokens,
               "kinds": {k: {"calls": n, "seconds": s} for k, (n, s) in kinds.items()},
               "keys": {",".join(map(str, k)): {"calls": n, "seconds": s}
                        for k, (n, s) in per_key.items()}}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def workload_floor(engine, outs) -> dict:
+    """The FLOPs of the run's tokens (see the module doc) and their time at the measured peak."""
+    from jaxbatch.benchmarks.roofline import gemm_peak, matmul_params
+    cfg = engine.model_config
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim   # q.K and p.V per key
+    flops = 0
+    for out in outs:
+        prompt, generated = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        total = prompt + generated
+        flops += 2 * matmul_params(cfg) * total + 2 * cfg.vocab_size * cfg.hidden_size * generated
+        flops += attention * total * (total + 1) // 2          # token t attends to t + 1 keys
+    peak = gemm_peak(engine.stats()["dtype"])
+    return {"gflop": flops / 1e9, "peak_tflops": peak / 1e12, "seconds": flops / peak}
 
 
 if __name__ == "__main__":

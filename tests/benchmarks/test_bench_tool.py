@@ -122,3 +122,23 @@ def test_machine_info_names_the_cpu_and_the_device():
     info = machine.machine_info()
     assert info["cpu_count"] >= 1 and isinstance(info["cpu_flags"], list)
     assert info["jax"] and info["jax_backend"] and info["device"]
+
+
+def test_profile_floor_counts_every_token_once_through_the_matrices(monkeypatch):
+    """bench profile's compute floor: layer matrices for every prompt and output token, the
+    head per output token, attention over each token's keys, at the measured peak."""
+    from types import SimpleNamespace
+
+    from jaxbatch.benchmarks import profile, roofline
+    cfg = SimpleNamespace(num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8,
+                          intermediate_size=16, num_layers=3, vocab_size=10)
+    engine = SimpleNamespace(model_config=cfg, stats=lambda: {"dtype": "bfloat16"})
+    outs = [SimpleNamespace(prompt_token_ids=[1] * 5,
+                            outputs=[SimpleNamespace(token_ids=[2] * 3)])] * 2
+    monkeypatch.setattr(roofline, "gemm_peak", lambda dtype: 1e9)
+    floor = profile.workload_floor(engine, outs)
+    per_layer = 8 * (2 * 8 + 2 * 4) + 3 * 8 * 16
+    tokens, keys = 8, 8 * 9 // 2
+    flops = 2 * (2 * 3 * per_layer * tokens + 2 * 10 * 8 * 3 + 4 * 3 * 2 * 4 * keys)
+    assert floor["gflop"] == pytest.approx(flops / 1e9)
+    assert floor["seconds"] == pytest.approx(flops / 1e9)
