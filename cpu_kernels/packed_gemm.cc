@@ -21,8 +21,9 @@
 // float32, 8 rows by 3 blocks (48 columns) of float32 accumulators in registers. Every output
 // element is one accumulator lane summed over k in order from zero, so a row's result does not
 // depend on M, on its place in the batch, or on how the work is split. Units of work (3 column
-// blocks, every row) are claimed through an atomic counter by the calling thread and helpers on
-// XLA's intra-op thread pool; each panel of the weight is read from memory once per call. With
+// blocks, or for silu * up a gate block and its up block; every row) are claimed through an
+// atomic counter by the calling thread and helpers on XLA's intra-op thread pool
+// (pool_dispatch.h); each panel of the weight is read from memory once per call. With
 // more than one row tile the memory traffic would come in bursts (the first tile of a panel
 // waits on memory, the others compute from cache), so a thread claims its next unit ahead and
 // its later tiles prefetch that unit's panel while they compute.
@@ -150,12 +151,14 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
-      for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Madd(acc[i][j], w + j * jump + s * kLine, xb);
+      for (int j = 0; j < NB; ++j)
+        acc[i][j] = Step<T>::Madd(acc[i][j], w + j * jump + s * kLine, xb);
     }
   }
   if constexpr (NB == 2) {
     if (p.silu_mul) {
-      for (int i = 0; i < MR; ++i) SiluMulStore(acc[i][0], acc[i][1], p.y_bf16 + (r0 + i) * p.jump * 16 + b * 16);
+      for (int i = 0; i < MR; ++i)
+        SiluMulStore(acc[i][0], acc[i][1], p.y_bf16 + (r0 + i) * p.jump * 16 + b * 16);
       return;
     }
   }

@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
     print(f"compute floor: {floor['gflop']:.0f} GFLOP at {floor['peak_tflops']:.2f} TFLOP/s "
           f"(measured) = {floor['seconds']:.2f} s, {tokens / floor['seconds']:.0f} output tok/s; "
           f"device time {device_s:.2f} s = {device_s / floor['seconds']:.2f} x the floor")
-    report = {"wall_s": wall, "floor": floor, "device_s": device_s, "output_tokens": tokens, "prefill_tokens": prefill_tokens,
+    report = {"wall_s": wall, "floor": floor, "device_s": device_s,
+              "output_tokens": tokens, "prefill_tokens": prefill_tokens,
               "kinds": {k: {"calls": n, "seconds": s} for k, (n, s) in kinds.items()},
               "keys": {",".join(map(str, k)): {"calls": n, "seconds": s}
                        for k, (n, s) in per_key.items()}}
