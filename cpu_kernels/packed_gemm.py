@@ -127,7 +127,6 @@ def silu_mul(x, packed):
     k, n = in_out_shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
-    availability.require(SOURCE, *_SILU_MUL, "packed_gemm.silu_mul")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
     y = jax.ffi.ffi_call(_SILU_MUL[1], jax.ShapeDtypeStruct((x2.shape[0], n // 2), jnp.bfloat16))(
