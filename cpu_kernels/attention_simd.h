@@ -52,22 +52,6 @@ inline __mmask16 FirstLanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// dots[i] += q[c-th 32 of D] . k[i, same] for i < n (kN: n fixed at compile time, else n_),
-// bf16 bits in, float32 lanes out (one accumulator per key; Reduce16 sums them).
-template <int kN>
-inline void Bf16Dots(const uint16_t* q, const uint16_t* k, int64_t D, int64_t n_, __m512* dots) {
-  const int64_t n = kN ? kN : n_;
-  for (int64_t c = 0; c < D; c += 32) {
-    const int64_t rem = std::min<int64_t>(32, D - c);
-    const __mmask32 dm = rem == 32 ? ~0u : static_cast<__mmask32>((1u << rem) - 1);
-    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(dm, q + c);
-    for (int64_t i = 0; i < n; ++i) {
-      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(dm, k + i * D + c);
-      dots[i] = _mm512_dpbf16_ps(dots[i], qv, kv);
-    }
-  }
-}
-
 // f as bf16 bits, rounded to nearest even (as XLA's convert rounds; NaN stays NaN).
 inline uint16_t Bf16Bits(float f) {
   uint32_t bits;

@@ -58,10 +58,12 @@ def unavailable_reason(source: str, symbol: str, target: str) -> str | None:
 def attention_heads_uncovered(num_heads, num_kv_heads, head_dim, soft_cap, max_group,
                               max_head_dim) -> str | None:
     """What an attention kernel here does not cover in a model's heads, or None: a soft cap,
-    more than `max_group` query heads per kv head, head_dim past `max_head_dim`."""
+    more than `max_group` query heads per kv head, an odd head_dim (bf16 pairs; a bf16 pool's
+    keys are grouped by dim pairs) or one past `max_head_dim`."""
     if soft_cap is not None:
         return "attention soft cap"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > max_group or head_dim > max_head_dim:
+    if (num_heads % num_kv_heads or num_heads // num_kv_heads > max_group or head_dim % 2
+            or head_dim > max_head_dim):
         return f"{num_heads} heads over {num_kv_heads} kv heads, head_dim {head_dim}"
     return None
 

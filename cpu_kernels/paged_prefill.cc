@@ -83,15 +83,19 @@ struct Block {
   alignas(64) uint32_t values[kGroupKeys / 2][kMaxHeadDim];  // bf16 (v[2i][d], v[2i + 1][d])
 };
 
-// dots[j] (lane r) += q[r] . k[j] for j < n (kN: n fixed at compile time, else n_).
+// dots[j] (lane r) += q[r] . k[j] for j < n (kN: n fixed at compile time, else n_), the keys
+// of a group of `group` stored dim-pair-major (pallas_kernels/reference.py's KEY_GROUP): key
+// j's pair q at (q * group + j) * 2.
 template <int kN>
-inline void SpanDots(const Block& b, const uint16_t* k, int64_t D, int64_t n_, __m512* dots) {
+inline void SpanDots(const Block& b, const uint16_t* k, int64_t D, int64_t group, int64_t n_,
+                     __m512* dots) {
   const int64_t n = kN ? kN : n_;
   for (int64_t q = 0; q < D / 2; ++q) {
     const __m512bh qv = (__m512bh)_mm512_load_si512(b.qt[q]);
+    const uint16_t* pairs = k + 2 * q * group;
     for (int64_t j = 0; j < n; ++j)
       dots[j] = _mm512_dpbf16_ps(
-          dots[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(Pair(k + j * D + 2 * q))));
+          dots[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(Pair(pairs + 2 * j))));
   }
 }
 
@@ -101,10 +105,11 @@ inline __m512 SpanScores(const Problem& p, const Block& b, const Span& s, float*
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 dots[16];
   for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+  const int64_t group = std::min<int64_t>(16, p.block_size);
   if (s.n == 16)
-    SpanDots<16>(b, s.k, p.head_dim, 16, dots);
+    SpanDots<16>(b, s.k, p.head_dim, group, 16, dots);
   else
-    SpanDots<0>(b, s.k, p.head_dim, s.n, dots);
+    SpanDots<0>(b, s.k, p.head_dim, group, s.n, dots);
   __m512 best = neg_inf;
   const __m512 scale = _mm512_set1_ps(p.scale);
   for (int64_t j = 0; j < 16; ++j) {

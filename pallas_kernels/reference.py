@@ -5,6 +5,9 @@ Shared layout (the same as JAX's shipped `pallas.ops.gpu.paged_attention`):
     k_pages, v_pages : [num_kv_heads, num_blocks, block_size, head_dim]   one layer of the pool
     block 0          : the null block; unused block-table entries and padded tokens point at it
 
+except that a bf16-bits (uint16) pool keeps each page's keys in groups (`key_group`), each
+stored dim-pair-major; `keys_in_order` undoes that for whatever gathers them.
+
 Masked positions may hold anything (NaN included): every masked score *and* value is replaced
 before it meets arithmetic, because 0 * NaN is NaN.
 
@@ -25,6 +28,41 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # gather and converts their whole operand (the pool, every layer) to float32 around each one.
 # Integer ones are native. The policy lives in jaxbatch/model/precision.py (kv_pool_dtype).
 BF16_BITS = jnp.uint16
+
+# A uint16 pool's keys, page by page in groups of key_group(block_size) keys, each group stored
+# dim-pair-major: [D/2][group][2], key i's dims (2p, 2p + 1) at (p * group + i) * 2 of the
+# group. One vector load then holds one dim pair of 16 keys, so CPU decode's q.K is dots
+# against a broadcast pair of q with one key per lane, and no per-key horizontal sums
+# (cpu_kernels/paged_decode.cc). Values, and every other pool, stay [bs][D].
+KEY_GROUP = 16
+
+
+def key_group(block_size: int) -> int:
+    return min(KEY_GROUP, block_size)
+
+
+def keys_grouped(pages) -> bool:
+    """Whether keys in `pages` (a pool or pages gathered from one) are stored in groups."""
+    return pages.dtype == BF16_BITS and pages.shape[-1] % 2 == 0
+
+
+def keys_in_order(pages, block_size: int):
+    """Keys [..., S, D] gathered from a pool of `block_size`-token pages (S a multiple of it),
+    as stored -> in key order."""
+    if not keys_grouped(pages):
+        return pages
+    group, (*lead, keys, dim) = key_group(block_size), pages.shape
+    grouped = pages.reshape(*lead, keys // group, dim // 2, group, 2)
+    return jnp.swapaxes(grouped, -3, -2).reshape(*lead, keys, dim)
+
+
+def keys_as_stored(pages, block_size: int):
+    """keys_in_order's inverse: keys [..., S, D] in key order -> as a uint16 pool stores them."""
+    if not keys_grouped(pages):
+        return pages
+    group, (*lead, keys, dim) = key_group(block_size), pages.shape
+    in_order = pages.reshape(*lead, keys // group, group, dim // 2, 2)
+    return jnp.swapaxes(in_order, -3, -2).reshape(*lead, keys, dim)
 
 
 def to_pool_dtype(x, pages_dtype):
@@ -51,15 +89,33 @@ def write_kv_ref(k_pages, v_pages, k, v, slot_mapping):
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indices (blocks, offsets) are adjacent, so the indexed view is [KVH, T, D].
-    k_pages = k_pages.at[:, blocks, offsets].set(to_pool_dtype(jnp.swapaxes(k, 0, 1), k_pages.dtype))
-    v_pages = v_pages.at[:, blocks, offsets].set(to_pool_dtype(jnp.swapaxes(v, 0, 1), v_pages.dtype))
+    if keys_grouped(k_pages):
+        k_pages = _write_grouped_keys(k_pages, k, blocks, offsets)
+    else:
+        k_pages = k_pages.at[:, blocks, offsets].set(
+            to_pool_dtype(jnp.swapaxes(k, 0, 1), k_pages.dtype))
+    v_pages = v_pages.at[:, blocks, offsets].set(
+        to_pool_dtype(jnp.swapaxes(v, 0, 1), v_pages.dtype))
     return k_pages, v_pages
 
 
-def _gather(pages, scales, index):
-    """pages[:, index] as float32, dequantized with its scales when the pool is int8."""
+def _write_grouped_keys(k_pages, k, blocks, offsets):
+    """write_kv_ref's keys into a pool that stores them in groups (see KEY_GROUP)."""
+    heads, num_blocks, block_size, dim = k_pages.shape
+    group = key_group(block_size)
+    grouped = k_pages.reshape(heads, num_blocks, block_size // group, dim // 2, group, 2)
+    # Advanced indices split by a slice: the indexed view is [T, KVH, D / 2, 2].
+    pairs = to_pool_dtype(k, k_pages.dtype).reshape(k.shape[0], heads, dim // 2, 2)
+    grouped = grouped.at[:, blocks, offsets // group, :, offsets % group].set(pairs)
+    return grouped.reshape(k_pages.shape)
+
+
+def _gather(pages, scales, index, keys=False):
+    """pages[:, index] as float32, dequantized with its scales when the pool is int8; `keys`:
+    the pages hold keys (in key order whatever the pool's layout)."""
     if scales is None:
-        return pages_as_float(pages[:, index])
+        gathered = pages[:, index]
+        return pages_as_float(keys_in_order(gathered, pages.shape[2]) if keys else gathered)
     return pages[:, index].astype(jnp.float32) * scales[:, index][..., None]
 
 
@@ -94,7 +150,8 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, lengths, *, sc
     scale = head_dim ** -0.5 if scale is None else scale
     context = pages_per_seq * block_size
 
-    k = _gather(k_pages, k_scales, block_tables).reshape(num_kv_heads, batch, context, head_dim)
+    k = _gather(k_pages, k_scales, block_tables, keys=True).reshape(num_kv_heads, batch, context,
+                                                                     head_dim)
     v = _gather(v_pages, v_scales, block_tables).reshape(num_kv_heads, batch, context, head_dim)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     mask = jnp.arange(context)[None, :] < lengths[:, None]                    # [B, ctx]
@@ -146,7 +203,8 @@ def ragged_paged_attention_ref(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     seq, position, valid = ragged_query_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
     # Keys of all sequences side by side: [KVH, S * ctx, D].
     flat = page_indices.reshape(-1)
-    k = _gather(k_pages, k_scales, flat).reshape(num_kv_heads, max_seqs * context, head_dim)
+    k = _gather(k_pages, k_scales, flat, keys=True).reshape(num_kv_heads, max_seqs * context,
+                                                             head_dim)
     v = _gather(v_pages, v_scales, flat).reshape(num_kv_heads, max_seqs * context, head_dim)
     key_seq = jnp.repeat(jnp.arange(max_seqs), context)
     key_pos = jnp.tile(jnp.arange(context), max_seqs)

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # pages_as_float: a bf16 pool on CPU holds bf16 bits as uint16 (reference.py).
-from pallas_kernels.reference import _HIGHEST, BF16_BITS, _soft_cap, pages_as_float
+from pallas_kernels.reference import (_HIGHEST, BF16_BITS, _soft_cap, keys_in_order,
+                                      pages_as_float)
 
 PREFILL_TILE = 16
 # Pages per decode work item: scores of one item are a [group, PAGES_PER_ITEM * block_size]
@@ -196,7 +197,8 @@ def paged_decode_attention_xla(q, k_pages, v_pages, item_slot, item_pages, item_
         if window is not None:          # each row's query sits at lengths - 1
             key_ok = key_ok & (key_pos >= (lengths[slot] - window)[:, None])
         mask = key_ok[None, :, None, :]                                          # [1, I, 1, span]
-        k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, I, span, D]
+        k = pages_as_float(keys_in_order(_gather_pages(k_pages, pages), k_pages.shape[2]),
+                           key_dtype)                                     # [K, I, span, D]
         v = pages_as_float(_gather_pages(v_pages, pages))
         v = jnp.where(key_ok[None, :, :, None], v, 0.0)
         scores = _batched_dot(qs[:, slot], k, 3, _precision(key_dtype)) * scale   # [K, I, G, span]
@@ -298,7 +300,8 @@ def tiled_prefill_attention_xla(q, k_pages, v_pages, query_pos, tile_pages, *, s
         if window is not None:
             mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
         mask = mask[None]
-        k = pages_as_float(_gather_pages(k_pages, pages), key_dtype)              # [K, N, span, D]
+        k = pages_as_float(keys_in_order(_gather_pages(k_pages, pages), k_pages.shape[2]),
+                           key_dtype)                                     # [K, N, span, D]
         v = pages_as_float(_gather_pages(v_pages, pages), key_dtype)
         v = jnp.where(key_used[None, :, :, None], v, jnp.zeros((), key_dtype))
         scores = _batched_dot(qt, k, 3, _precision(key_dtype)) * scale           # [K, N, tq*G, span]

@@ -44,6 +44,7 @@ JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
                 "tests/worker/test_cpu_packed_gemm.py::"
                 "test_silu_mul_is_the_activation_of_the_bf16_gemm_bit_for_bit",
                 "tests/worker/test_cpu_paged_prefill.py::test_kernel_matches_its_reference",
+                "tests/worker/test_kv_key_layout.py",
                 # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain
                 # Python and run in the main leg)
                 "tests/benchmarks/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")
