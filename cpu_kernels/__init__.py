@@ -13,8 +13,10 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
                    (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
                    packs the weights); silu_mul, the MLP's silu(gate) * up as its epilogue
 
-attention_simd.h holds the SIMD pieces the kernels share; pool_dispatch.h how each runs its
-work on XLA's intra-op threads (and hands it to them when called on another thread).
+attention_simd.h holds the SIMD pieces the kernels share; decode_elems.h decode attention's
+q.K and p.V per pool element type (a bf16 pool's keys are grouped: pallas_kernels/reference.py,
+KEY_GROUP); pool_dispatch.h how each kernel runs its work on XLA's intra-op threads (and hands
+it to them when called on another thread).
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error.
 
