@@ -18,8 +18,9 @@ constexpr int kMaxHeadDim = 512;
 using jaxbatch_simd::FirstLanes;
 using jaxbatch_simd::Reduce16;
 
-// Up to 16 consecutive keys of one page (for bf16 pages one group of
-// reference.py's KEY_GROUP): the unit of q.K and p.V.
+// Up to 16 consecutive keys of one page, the unit of q.K and p.V: for bf16 pages one whole
+// group of reference.py's KEY_GROUP, n = min(16, block size) (never shortened: the keys a row
+// does not see are left out by `valid`, so n is also the group's stride for Scores).
 template <typename T>
 struct Span {
   const T* k;

@@ -69,7 +69,8 @@ struct Problem {
 
 // Requests every cache line of span `s`, its keys' whole group (bf16 keys of a group are
 // spread over all of it) and its values, into L2 (`_MM_HINT_T2`: requests for L1 stall the
-// core once its few L1 miss buffers are taken).
+// core once its few L1 miss buffers are taken). Key and value lines alternate: requesting all
+// the keys first, then the values, ran slower (docs/BENCHMARKS.md, 2026-12-05 late morning).
 template <typename T>
 void PrefetchSpan(const Span<T>& s, int64_t D) {
   constexpr int64_t kPerLine = 64 / sizeof(T);
@@ -176,10 +177,14 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g, const std::vector<Span<T>
   }
   const T* q = p.q + (row * p.heads + g * G) * D;
   // Spans 0 .. kAhead - 1 were requested by the previous unit (or below, for a first unit);
-  // then span i + kAhead of this unit, then of the next, is requested as span i is used.
+  // then span i + kAhead of this unit, then of the next, is requested as span i is used. A
+  // unit of fewer than kAhead spans requests the next unit's first ones here.
   const int64_t total = static_cast<int64_t>(spans.size());
   if (first)
     for (int64_t i = 0; i < std::min(kAhead, total); ++i) PrefetchSpan(spans[i], D);
+  if (next)
+    for (int64_t j = 0; j < std::min<int64_t>(kAhead - total, next->size()); ++j)
+      PrefetchSpan((*next)[j], D);
   for (int64_t i0 = 0; i0 < total; i0 += kSpans) {
     const int ns = static_cast<int>(std::min<int64_t>(kSpans, total - i0));
     for (int64_t i = i0 + kAhead; i < i0 + kAhead + ns; ++i) {
@@ -270,7 +275,8 @@ ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector
                  window.typed_data()[0], scale.typed_data()[0], jaxbatch_simd::Out{},
                  qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
   if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
-      p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch)
+      p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch ||
+      (std::is_same_v<T, uint16_t> && p.head_dim % 2))      // bf16 keys come in dim pairs
     return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("paged_decode: unsupported shapes"));
   if constexpr (std::is_same_v<Y, F32Array3>)
     p.out.f32 = out->typed_data();

@@ -9,7 +9,7 @@ online softmax, and gives each row the same result whatever the batch.
     why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
                            None where it covers such a call here, else why the jnp path runs
                            (int8 pages; a soft cap; more than MAX_GROUP query heads per kv
-                           head; head_dim past MAX_HEAD_DIM)
+                           head; an odd head_dim or one past MAX_HEAD_DIM)
     paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
                            lengths, *, scale, window)  -> [B, H, D] in q's dtype
 """

@@ -2,7 +2,8 @@
 // call with the interface of `tiled_prefill_attention_xla` (pallas_kernels/
 // xla_paged_attention.py), which is also its reference.
 //
-//   JaxbatchPagedPrefill  q [T, H, D] bf16; k_pages, v_pages [KVH, N, bs, D] uint16 (bf16 bits);
+//   JaxbatchPagedPrefill  q [T, H, D] bf16; k_pages, v_pages [KVH, N, bs, D] uint16 (bf16 bits;
+//                         the keys grouped, pallas_kernels/reference.py's KEY_GROUP);
 //                         query_pos [T] int32 (a token's position, -1 for padding);
 //                         tile_pages [T / tile, P] int32 (the block table of each tile's
 //                         sequence); window [1] int32 (a key at p is seen by a query at q when

@@ -10,7 +10,7 @@ position only.
     why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap)
                            None where it covers such a call here, else why the jnp path runs
                            (float32 or int8 pages; a soft cap; more than MAX_GROUP query heads
-                           per kv head; head_dim past MAX_HEAD_DIM)
+                           per kv head; an odd head_dim or one past MAX_HEAD_DIM)
     paged_prefill_attention(q, k_pages, v_pages, query_pos, tile_pages, *, scale, window)
                            -> [T, H, D] in q's dtype
 """

@@ -21,7 +21,9 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """k/v_pages [KVH, N, bs, D]; k, v [T, KVH, D]; slot_mapping [T] int32 = block * bs + offset.
 
     Returns the updated (k_pages, v_pages). Padded tokens should point into the null block 0.
-    Page size and head_dim need not be powers of two here (the CPU path has no such limit).
+    Page size and head_dim need not be powers of two here (the CPU path has no such limit),
+    except that a bf16-bits (uint16) pool's pages hold up to 16 keys or a multiple of 16
+    (`reference.key_group`).
     """
     check_kv_pool(k_pages, v_pages, require_pow2=False)
     check_rank("k", k, 3)

@@ -38,6 +38,9 @@ KEY_GROUP = 16
 
 
 def key_group(block_size: int) -> int:
+    if block_size > KEY_GROUP and block_size % KEY_GROUP:
+        raise ValueError(f"a bf16-bits pool's pages hold up to {KEY_GROUP} keys or a multiple "
+                         f"of {KEY_GROUP} (its keys are stored in groups), got {block_size}")
     return min(KEY_GROUP, block_size)
 
 

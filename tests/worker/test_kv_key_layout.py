@@ -60,6 +60,12 @@ def test_readers_get_keys_back_in_order_and_values_are_plain(block_size, head_di
                                                             block_size)), np.asarray(k_pages))
 
 
+def test_pages_the_grouping_cannot_take_are_refused():
+    assert key_group(48) == 16 and key_group(4) == 4
+    with pytest.raises(ValueError, match="multiple of 16"):
+        key_group(24)
+
+
 def test_float_pools_keep_the_plain_layout():
     rng = np.random.default_rng(2)
     k = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
@@ -70,7 +76,8 @@ def test_float_pools_keep_the_plain_layout():
 
 @pytest.mark.skipif(paged_decode.unavailable_reason() is not None,
                     reason=f"CPU kernel unavailable: {paged_decode.unavailable_reason()}")
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 16), (32, 80)])
+# (4, 34): pages shorter than a group, and an odd number of dim pairs (Scores' last pair alone)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 16), (32, 80), (4, 34)])
 def test_the_kernel_over_written_keys_matches_the_oracle_over_a_plain_pool(block_size,
                                                                            head_dim):
     """Writer and kernel together: attention over what was written, not over the layout."""
