@@ -176,23 +176,20 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g, const std::vector<Span<T>
     std::fill(acc[h], acc[h] + width, 0.0f);
   }
   const T* q = p.q + (row * p.heads + g * G) * D;
-  // Spans 0 .. kAhead - 1 were requested by the previous unit (or below, for a first unit);
-  // then span i + kAhead of this unit, then of the next, is requested as span i is used. A
-  // unit of fewer than kAhead spans requests the next unit's first ones here.
+  // Spans are requested along this unit's list, then the next unit's: span i + kAhead as span
+  // i is used, so a unit's first kAhead were requested before it starts (by the unit before
+  // it, or here for a thread's first unit; a unit shorter than kAhead requests the rest).
   const int64_t total = static_cast<int64_t>(spans.size());
-  if (first)
-    for (int64_t i = 0; i < std::min(kAhead, total); ++i) PrefetchSpan(spans[i], D);
-  if (next)
-    for (int64_t j = 0; j < std::min<int64_t>(kAhead - total, next->size()); ++j)
-      PrefetchSpan((*next)[j], D);
+  const auto request = [&](int64_t i) {
+    if (i < total)
+      PrefetchSpan(spans[i], D);
+    else if (next && i - total < static_cast<int64_t>(next->size()))
+      PrefetchSpan((*next)[i - total], D);
+  };
+  for (int64_t i = first ? 0 : total; i < kAhead; ++i) request(i);
   for (int64_t i0 = 0; i0 < total; i0 += kSpans) {
     const int ns = static_cast<int>(std::min<int64_t>(kSpans, total - i0));
-    for (int64_t i = i0 + kAhead; i < i0 + kAhead + ns; ++i) {
-      if (i < total)
-        PrefetchSpan(spans[i], D);
-      else if (next && i - total < static_cast<int64_t>(next->size()))
-        PrefetchSpan((*next)[i - total], D);
-    }
+    for (int64_t i = i0 + kAhead; i < i0 + kAhead + ns; ++i) request(i);
     SoftmaxSpans<T, kG>(p, q, spans.data() + i0, ns, G, width, m, l, acc);
   }
   for (int64_t h = 0; h < G; ++h) {

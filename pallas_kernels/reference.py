@@ -52,20 +52,23 @@ def keys_grouped(pages) -> bool:
 def keys_in_order(pages, block_size: int):
     """Keys [..., S, D] gathered from a pool of `block_size`-token pages (S a multiple of it),
     as stored -> in key order."""
-    if not keys_grouped(pages):
-        return pages
-    group, (*lead, keys, dim) = key_group(block_size), pages.shape
-    grouped = pages.reshape(*lead, keys // group, dim // 2, group, 2)
-    return jnp.swapaxes(grouped, -3, -2).reshape(*lead, keys, dim)
+    return _swap_in_groups(pages, block_size, stored=True)
 
 
 def keys_as_stored(pages, block_size: int):
     """keys_in_order's inverse: keys [..., S, D] in key order -> as a uint16 pool stores them."""
+    return _swap_in_groups(pages, block_size, stored=False)
+
+
+def _swap_in_groups(pages, block_size: int, stored: bool):
+    """Each group of keys seen as [D/2][group][2] (`stored`) or [group][D/2][2], its two outer
+    axes swapped."""
     if not keys_grouped(pages):
         return pages
     group, (*lead, keys, dim) = key_group(block_size), pages.shape
-    in_order = pages.reshape(*lead, keys // group, group, dim // 2, 2)
-    return jnp.swapaxes(in_order, -3, -2).reshape(*lead, keys, dim)
+    outer = (dim // 2, group) if stored else (group, dim // 2)
+    grouped = pages.reshape(*lead, keys // group, *outer, 2)
+    return jnp.swapaxes(grouped, -3, -2).reshape(*lead, keys, dim)
 
 
 def to_pool_dtype(x, pages_dtype):

@@ -26,6 +26,11 @@ def _as_bits(pool):
     return jax.lax.bitcast_convert_type(pool, BF16_BITS)
 
 
+def _bf16_pool(k, v):
+    """float pages -> a bf16 pool as the engine stores it: bits, the keys grouped."""
+    return keys_as_stored(_as_bits(k), k.shape[2]), _as_bits(v)
+
+
 CASES = [
     # (seed, num_heads, num_kv_heads, head_dim, block_size, padding items, pages per item)
     (21, 9, 3, 64, 16, 3, 8),       # SmolLM2's shapes
@@ -52,7 +57,7 @@ def test_kernel_matches_its_reference(seed, heads, kv_heads, head_dim, block_siz
     (q, k, v, *items, lengths), _, lens = _decode_case(seed, heads, kv_heads, head_dim,
                                                        block_size, dtype, extra, ppi)
     if dtype == jnp.bfloat16:
-        k, v = keys_as_stored(_as_bits(k), k.shape[2]), _as_bits(v)   # a bf16 pool's key layout
+        k, v = _bf16_pool(k, v)
     scale = 0.3
     out = _kernel(q, k, v, *items, lengths, scale=scale, window=window)
     ref = _xla(q, k, v, *items, lengths, scale=scale, window=window)
@@ -70,7 +75,7 @@ def test_a_row_alone_equals_the_row_in_a_batch(dtype):
     (q, k, v, item_slot, item_pages, item_first, lengths), _, lens = _decode_case(
         31, 9, 3, 64, 16, dtype, 4, 2)
     if dtype == jnp.bfloat16:
-        k, v = keys_as_stored(_as_bits(k), k.shape[2]), _as_bits(v)   # a bf16 pool's key layout
+        k, v = _bf16_pool(k, v)
     full = np.asarray(_kernel(q, k, v, item_slot, item_pages, item_first, lengths), np.float32)
     for row in np.flatnonzero(lens > 0):
         keep = np.asarray(item_slot) == row
@@ -86,7 +91,7 @@ def test_a_bf16_q_over_bf16_pages_gets_the_float32_result_rounded_to_bf16():
     """The bf16-out handler: exactly the float32-out handler's result (a float32 q holding the
     same values, over the same bf16 pages) rounded to nearest even, bit for bit."""
     (q, k, v, *items, lengths), _, _ = _decode_case(32, 9, 3, 64, 16, jnp.bfloat16, 3, 8)
-    k, v = keys_as_stored(_as_bits(k), k.shape[2]), _as_bits(v)   # a bf16 pool's key layout
+    k, v = _bf16_pool(k, v)
     out = _kernel(q, k, v, *items, lengths, scale=0.3)
     wide = _kernel(q.astype(jnp.float32), k, v, *items, lengths, scale=0.3)
     assert out.dtype == jnp.bfloat16 and wide.dtype == jnp.float32

@@ -26,6 +26,11 @@ def _bits(pool):
     return jax.lax.bitcast_convert_type(pool, BF16_BITS)
 
 
+def _bf16_pool(k, v):
+    """float pages -> a bf16 pool as the engine stores it: bits, the keys grouped."""
+    return keys_as_stored(_bits(k), k.shape[2]), _bits(v)
+
+
 CASES = [
     # (seed, heads, kv_heads, head_dim, block_size, [(start, length)], padding tiles)
     (101, 9, 3, 64, 16, [(0, 128)], 0),                      # SmolLM2: a first chunk
@@ -44,7 +49,7 @@ def test_kernel_matches_its_reference(seed, heads, kv_heads, head_dim, block_siz
                                       extra, window):
     (q, k, v, query_pos, tile_pages), _, spans = _prefill_case(
         seed, heads, kv_heads, head_dim, block_size, jnp.bfloat16, chunks, extra)
-    k, v = keys_as_stored(_bits(k), k.shape[2]), _bits(v)   # a bf16 pool's key layout
+    k, v = _bf16_pool(k, v)
     out = _kernel(q, k, v, query_pos, tile_pages, scale=0.3, window=window)
     ref = _xla(q, k, v, query_pos, tile_pages, scale=0.3, window=window)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -63,7 +68,7 @@ def test_a_bf16_q_gets_the_float32_result_rounded_to_bf16():
     holding the same values) rounded to nearest even, bit for bit."""
     (q, k, v, query_pos, tile_pages), _, _ = _prefill_case(
         108, 9, 3, 64, 16, jnp.bfloat16, [(40, 50), (0, 30)], 1)
-    k, v = keys_as_stored(_bits(k), k.shape[2]), _bits(v)   # a bf16 pool's key layout
+    k, v = _bf16_pool(k, v)
     out = _kernel(q, k, v, query_pos, tile_pages)
     wide = _kernel(q.astype(jnp.float32), k, v, query_pos, tile_pages)
     assert out.dtype == jnp.bfloat16 and wide.dtype == jnp.float32
@@ -76,7 +81,7 @@ def test_a_chunk_alone_equals_the_chunk_among_others():
     chunks = [(200, 16), (0, 48), (130, 80), (450, 32)]
     (q, k, v, query_pos, tile_pages), _, spans = _prefill_case(
         91, 9, 3, 64, 16, jnp.bfloat16, chunks, 1)
-    k, v = keys_as_stored(_bits(k), k.shape[2]), _bits(v)   # a bf16 pool's key layout
+    k, v = _bf16_pool(k, v)
     together = np.asarray(_kernel(q, k, v, query_pos, tile_pages), np.float32)
     for i, (base, _, n) in enumerate(spans):
         end = base + -(-n // PREFILL_TILE) * PREFILL_TILE
