@@ -4,7 +4,8 @@
 
 Every time is read from `clock` (default time.perf_counter) relative to the run's start, so a
 test can drive a run on a fake clock and check the arithmetic exactly; `transport` lets it
-answer the requests in-process (an httpx transport).
+answer the requests in-process (an httpx transport). On real sockets the streams go through
+stream_client.py, a lean client that takes less of the CPU it shares with the server.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 import numpy as np
 
 from jaxbatch.benchmarks.report import stats_ms
+from jaxbatch.benchmarks.stream_client import LeanClient
 from jaxbatch.benchmarks.workloads import ServeRequest, arrival_offsets
 
 @dataclasses.dataclass
@@ -176,6 +178,14 @@ def _client(limit: int | None = None, api_key: str | None = None, transport=None
                              transport=transport)
 
 
+def _stream_client(api_key: str | None, transport):
+    """The streaming requests' client: the lean one (stream_client.py) on real sockets,
+    httpx where a test hands in a transport."""
+    if transport is not None:
+        return _client(None, api_key, transport)
+    return LeanClient({"Authorization": f"Bearer {api_key}"} if api_key else None)
+
+
 async def run_load(base: str, workload, *, rate: float = math.inf, max_concurrency=None,
                    api: str = "chat", model: str | None = None, goodput=None,
                    health_interval: float | None = 0.1, max_tokens_field=None,
@@ -218,9 +228,9 @@ def _heap_frozen():
 async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,
                     health_interval, max_tokens_field, extra_body, api_key, clock,
                     transport) -> dict:
-    async with _client(None, api_key, transport) as client, \
-            _client(4, transport=transport) as health_client:
-        model = model or await served_model(client, base)
+    async with _stream_client(api_key, transport) as client, \
+            _client(4, api_key, transport) as control:
+        model = model or await served_model(control, base)
         offsets = arrival_offsets(workload, rate)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         samples, stop = [], asyncio.Event()
@@ -246,7 +256,7 @@ async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,
                 inflight[0] -= 1
 
         t0 = clock()
-        poller = (asyncio.create_task(poll_health(health_client, base, health_interval, stop, t0,
+        poller = (asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
                                                   samples, clock))
                   if health_interval else None)
         results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))

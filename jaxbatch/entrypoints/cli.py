@@ -20,6 +20,7 @@ from jaxbatch.engine.config import (EngineConfig, add_engine_flags, engine_kwarg
 
 # The embedded model's name (jaxbatch.model.loader.DEFAULT_MODEL; not imported: that pulls JAX).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SERVING_SWITCH_INTERVAL_S = 0.0005
 
 
 def _port(text: str) -> int:
@@ -122,6 +123,11 @@ def serve(args) -> int:
                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     lora=lora)
     _raise_fd_limit()
+    # The engine thread and the event loop share the GIL. When the engine thread comes back
+    # from the device wanting it while the loop is writing a step's chunks, CPython hands it
+    # over only after the switch interval (5 ms by default): the next step's dispatch waits
+    # on HTTP work. A short interval bounds that wait.
+    sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
     from jaxbatch.entrypoints.openai.connections import guarded_protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,

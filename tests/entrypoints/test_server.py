@@ -350,6 +350,19 @@ def test_tokenize_detokenize(server, offline):
     assert r2["prompt"] == "Hello, world"
 
 
+def test_the_load_generators_lean_client_reads_this_servers_streams(server):
+    """`jaxbatch bench serve` streams through its own HTTP client (stream_client.py): over
+    uvicorn's chunked framing it sees every request through, each chunk's text and the usage."""
+    from jaxbatch.benchmarks.serve_client import run_load
+    from jaxbatch.benchmarks.workloads import make_workload
+    workload = make_workload(6, lengths=(12, 0.5, 4, 20), seed=3)
+    for api in ("chat", "completions"):
+        s = asyncio.run(run_load(server.base, workload, api=api, health_interval=None))["summary"]
+        assert s["completed"] == len(workload) and s["failed"] == 0, s.get("errors")
+        assert s["output_tokens"] == sum(r.max_tokens for r in workload)   # from usage
+        assert s["requests_without_usage"] == 0 and s["requests_with_other_output_length"] == 0
+
+
 def test_zz_nothing_compiled_while_serving(server):
     """Runs last in this module (pytest keeps file order): every request above, streaming or
     not, with logprobs, penalties and stops, was served by executables warm-up compiled."""
