@@ -91,9 +91,10 @@ struct Problem {
 };
 
 // Where a row tile prefetches: kOwn, its own panel a few lines ahead (the panel's first tile
-// when it is the only one); kNext, the panel of the unit the thread does next, into L2, spread
-// over the panel's later tiles, so that the next first tile computes from cache while memory
-// is busy all along instead of during first tiles alone.
+// when it is the only one, then on into `next`'s first lines, so the next unit starts warm);
+// kNext, the panel of the unit the thread does next, into L2, spread over the panel's later
+// tiles, so that the next first tile computes from cache while memory is busy all along
+// instead of during first tiles alone.
 enum class Prefetch { kNone, kOwn, kNext };
 
 // Prefetch of the next panel's steps [first, first + count), one step (NB lines) every `every`
@@ -136,11 +137,18 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
   int64_t countdown = next.every, q = next.first;
   const int64_t q_end = next.first + next.count;
   for (int64_t s = 0; s < steps; ++s) {
-    if (kPrefetch == Prefetch::kOwn && s + kPrefetchLines < steps)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(w + j * jump + (s + kPrefetchLines) * kLine),
-            _MM_HINT_T0);
+    if (kPrefetch == Prefetch::kOwn) {
+      const int64_t ahead = s + kPrefetchLines;
+      if (ahead < steps)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * jump + ahead * kLine),
+                       _MM_HINT_T0);
+      else if (next.panel != nullptr)   // the next unit's first lines: it starts warm
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(
+              reinterpret_cast<const char*>(next.panel + j * jump + (ahead - steps) * kLine),
+              _MM_HINT_T0);
+    }
     if (kPrefetch == Prefetch::kNext && --countdown == 0) {
       countdown = next.every;
       if (q < q_end)
@@ -188,14 +196,18 @@ void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const Nex
 }
 
 // Every row against blocks b .. b + NB. One row tile streams its panel and prefetches it
-// ahead. With several, the first finds the panel in cache, prefetched by the thread's previous
-// unit (`cold`, the thread's first unit: it prefetches its own lines ahead instead), and the
-// others prefetch the panel of `next_b` (-1: none).
+// ahead, on into the first lines of `next_b`'s panel near its end. With several, the first
+// finds the panel in cache, prefetched by the thread's previous unit (`cold`, the thread's
+// first unit: it prefetches its own lines ahead instead), and the others prefetch the panel of
+// `next_b` (-1: none).
 template <typename T, int NB>
 void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold) {
   const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
-  if (tiles == 1) return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, {});
   NextLines<T> next;
+  if (tiles == 1) {
+    if (next_b >= 0) next.panel = p.w + next_b * p.block_elems();
+    return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, next);
+  }
   const int64_t later = tiles - 1, share = (steps + later - 1) / later;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, p.m - r0);
