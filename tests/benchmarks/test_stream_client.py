@@ -11,6 +11,13 @@ from jaxbatch.benchmarks.stream_client import LeanClient, ProtocolError
 
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\r\n\r\n', b"data: [DONE]\n\n"]
 WANT_LINES = ['data: {"a": 1}', "", 'data: {"b": "\u00e9"}', "", "data: [DONE]", ""]
+BODY = b"".join(EVENTS)
+CUTS = (5, 22, BODY.index(b"\xc3") + 1, BODY.index(b"[DONE]"))   # mid-line, mid-character
+
+
+def _pieces(data: bytes, cuts=CUTS):
+    edges = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in zip(edges, edges[1:])]
 
 
 def _chunked(pieces):
@@ -20,19 +27,24 @@ def _chunked(pieces):
     return out + b"0\r\nX-Trailer: t\r\n\r\n"
 
 
-def _awkward(data: bytes):
-    """The same bytes split mid-line and mid-character, and two events in one piece."""
-    return [data[:5], data[5:22], data[22:23], data[23:]]
-
-
-BODY = b"".join(EVENTS)
+CHUNKED = _chunked(_pieces(BODY))
+# Each response: its head, then its body, written in the pieces listed (so a body spans reads).
 RESPONSES = {
-    "/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(_awkward(BODY)),
-    "/length": f"HTTP/1.1 200 OK\r\nContent-Length: {len(BODY)}\r\n\r\n".encode() + BODY,
-    "/close": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + BODY,
-    "/error": b'HTTP/1.1 400 Bad Request\r\ncontent-length: 17\r\n\r\n{"error": "nope"}',
-    "/short": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this",
-    "/garbage": b"SSH-2.0-OpenSSH\r\n\r\n",
+    "/chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                 _pieces(CHUNKED, (3, 7, 40, 41))),                 # cut inside size lines too
+    "/length": (f"HTTP/1.1 200 OK\r\nContent-Length: {len(BODY)}\r\n\r\n".encode(),
+                _pieces(BODY)),
+    "/close": (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n", _pieces(BODY)),
+    "/interim": (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n"
+                 b"HTTP/1.1 200 OK\r\n\r\n", _pieces(BODY)),
+    "/error": (b"HTTP/1.1 400 Bad Request\r\ncontent-length: 17\r\n\r\n", [b'{"error": "nope"}']),
+    "/empty": (b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", []),
+    "/latin": (b"HTTP/1.1 200 OK\r\n\r\n", [b"data: caf\xe9\n\n"]),
+    "/short": (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", [b"only this"]),
+    "/garbage": (b"SSH-2.0-OpenSSH\r\n\r\n", []),
+    "/negative": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", [b"-1\r\nx\r\n"]),
+    "/overlong": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                  [b"2\r\nabc\r\n0\r\n\r\n"]),
 }
 
 
@@ -44,11 +56,11 @@ async def _serve(received):
         body = await reader.readexactly(int(headers.get("content-length", 0)))
         path = lines[0].split(" ")[1]
         received.append((lines[0], headers, body))
-        data = RESPONSES[path.split("?")[0]]
-        for piece in _awkward(data):          # the response itself arrives in pieces
+        response_head, pieces = RESPONSES[path.split("?")[0]]
+        for piece in (response_head, *pieces):
             writer.write(piece)
             await writer.drain()
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.002)
         writer.close()
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -63,32 +75,45 @@ def _run(fn):
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("path", ["/chunked", "/length", "/close"])
-def test_lines_come_out_whole_however_the_body_is_framed(path):
+def _lines(path):
     async def fn(base):
         async with LeanClient({"Authorization": "Bearer k"}) as client:
             async with client.stream("POST", base + path + "?x=1", json={"q": "\u00e9"}) as resp:
                 return resp.status_code, [line async for line in resp.aiter_lines()]
-    (status, lines), received = _run(fn)
+    return _run(fn)
+
+
+@pytest.mark.parametrize("path", ["/chunked", "/length", "/close", "/interim"])
+def test_lines_come_out_whole_however_the_body_is_framed(path):
+    (status, lines), received = _lines(path)
     assert status == 200 and lines == WANT_LINES
     request_line, headers, body = received[0]
     assert request_line == f"POST {path}?x=1 HTTP/1.1"
     assert headers["authorization"] == "Bearer k"
     assert headers["content-type"] == "application/json"
+    assert headers["host"].startswith("127.0.0.1:")
     assert json.loads(body) == {"q": "\u00e9"}
 
 
-def test_an_error_status_and_its_body_are_read():
+def test_invalid_utf8_is_replaced_as_httpx_does():
+    (status, lines), _ = _lines("/latin")
+    assert lines == ["data: caf\ufffd", ""]
+
+
+@pytest.mark.parametrize("path, status, body", [("/error", 400, b'{"error": "nope"}'),
+                                                ("/empty", 204, b"")])
+def test_a_status_and_its_body_are_read(path, status, body):
     async def fn(base):
         async with LeanClient() as client:
-            async with client.stream("POST", base + "/error", json={}) as resp:
+            async with client.stream("POST", base + path, json={}) as resp:
                 return resp.status_code, await resp.aread()
-    (status, body), _ = _run(fn)
-    assert status == 400 and json.loads(body) == {"error": "nope"}
+    assert _run(fn)[0] == (status, body)
 
 
 @pytest.mark.parametrize("path, message", [("/short", "before the body's end"),
-                                           ("/garbage", "not an HTTP/1.x status line")])
+                                           ("/garbage", "not an HTTP/1.x status line"),
+                                           ("/negative", "bad chunk size line"),
+                                           ("/overlong", "does not end where")])
 def test_a_broken_response_raises(path, message):
     async def fn(base):
         async with LeanClient() as client:
