@@ -8,10 +8,11 @@ An engine step makes at most two kinds of model call, or a mixed call holding bo
            Attention inputs: the xla backend's work items, sized for the longest contexts
            the rows can have (its attention loops over the items in use at run time, so the
            key is rows only); the other backends' block tables, padded to a page bucket.
-  prefill  the step's prefill chunks packed into one call (more only when they overflow the
-           largest token bucket or the backend's chunks_per_call), tokens padded to a bucket; xla's tile
-           tables span max_pages_per_seq (its attention stops at the call's last position),
-           the others' block tables a page bucket.
+  prefill  the step's prefill chunks packed back to back into one call (more only when they
+           overflow the largest token bucket or the backend's chunks_per_call), tokens padded
+           to a bucket; xla's tile tables span max_pages_per_seq (its attention stops at the
+           call's last position, and lays the chunks out in tiles itself), the others' block
+           tables a page bucket.
   mixed    with `unified` (the `unified_step` option, on backends with `mixed_calls`): a step
            whose decode rows fill the largest row bucket runs them and its (first) prefill
            call as one call, decode rows first, then the packed prefill tokens: one pass over
@@ -20,7 +21,7 @@ An engine step makes at most two kinds of model call, or a mixed call holding bo
            one per prefill token bucket. Only the largest row bucket: a busy engine admits
            beside a full decode batch, and smaller ones would multiply the executables to
            compile and run at warm-up by the number of row buckets.
-Buckets are powers of two (and, for xla's prefill tokens, 1.5x steps between them), so the set
+Buckets are powers of two (and, for xla's prefill tokens, quarter steps between them), so the set
 of shapes is small and known (`bucket_shapes`).
 Block ids in every array are layer 0's; the model shifts them per layer.
 """
@@ -33,7 +34,7 @@ import numpy as np
 from jaxbatch.core.config import SchedulerConfig, next_power_of_two
 from jaxbatch.core.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
 from jaxbatch.worker.attention.base import AttentionBackend
-from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE
+from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM
 
 MIN_PREFILL_BUCKET = 16
 # Batch invariance: XLA:CPU's dot sums a row in another order when the call has 1 or 2 rows
@@ -45,7 +46,6 @@ MAX_PREFILL_BUCKET = 1024   # unless one chunk is larger
 # Block-table backends (pallas, reference): prefill calls attend over at least this many keys
 # (whole pages), for fewer (tokens, pages) executables to compile.
 MIN_PREFILL_CONTEXT = 64
-assert MIN_PREFILL_BUCKET % PREFILL_TILE == 0, "every prefill bucket must split into whole tiles"
 
 
 @dataclasses.dataclass
@@ -133,16 +133,14 @@ class StepLayout:
 
     def prefill_token_buckets(self) -> list[int]:
         """Powers of two from MIN_PREFILL_BUCKET; with the xla backend (one executable per
-        token bucket, none per context) also 1.5x each from 32 (48, 96, 192, ...), so a call's
-        bucket is at most 1.5x its tokens instead of 2x (the embedded model's chat
-        workload: 12 % of the prefill tokens computed are padding instead of 23 %). Every
-        bucket is a whole number of tiles."""
+        token bucket, none per context, and tokens packed back to back) also the quarter
+        steps between them from 32 (40, 48, 56, 64, 80, ...), so a call's bucket is at most
+        1.25x its tokens instead of 2x."""
         t, out = MIN_PREFILL_BUCKET, []
         while t <= self.max_prefill_tokens:
             out.append(t)
-            if (self.backend.intermediate_prefill_buckets and t >= 32
-                    and t * 3 // 2 <= self.max_prefill_tokens):
-                out.append(t * 3 // 2)
+            if self.backend.intermediate_prefill_buckets and t >= 32:
+                out += [t * q // 4 for q in (5, 6, 7) if t * q // 4 <= self.max_prefill_tokens]
             t *= 2
         return out
 
@@ -208,11 +206,10 @@ class StepLayout:
 
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Greedy, in plan order: chunks join a call while its padded tokens fit."""
-        align = self.backend.prefill_align
+        """Greedy, in plan order: chunks join a call while its tokens fit."""
         calls, current, used = [], [], 0
         for chunk in chunks:
-            size = -(-len(chunk.token_ids) // align) * align
+            size = len(chunk.token_ids)
             if current and (used + size > self.max_prefill_tokens
                             or len(current) == self.chunks_per_call):
                 calls.append(current)
@@ -225,11 +222,10 @@ class StepLayout:
                      next_tokens: dict[int, int]) -> ModelCall:
         """`next_tokens[seq_id]`: the token after a chunk (for prompt logprobs), -1 if none."""
         bs = self.cfg.block_size
-        align = self.backend.prefill_align
         q_starts, used = [], 0
         for chunk in chunks:
             q_starts.append(used)
-            used += -(-len(chunk.token_ids) // align) * align
+            used += len(chunk.token_ids)
         t = self.prefill_bucket(used)
         pages = self.backend.prefill_pages(self, t, chunks)
         s = self.chunks_per_call

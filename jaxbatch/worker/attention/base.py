@@ -23,11 +23,10 @@ import numpy as np
 
 class AttentionBackend:
     name: str
-    # Prefill chunks start on multiples of this many rows of a packed call.
-    prefill_align: int = 1
     # Chunks (rows sampled) per prefill call.
     chunks_per_call: int = 8
-    # Token buckets at 1.5x steps between the powers of two (cheap where context is no shape).
+    # Token buckets at quarter steps between the powers of two (cheap where context is no
+    # shape: one executable per token bucket).
     intermediate_prefill_buckets: bool = False
     # Whether `jax.export` can store its lowered steps (Pallas kernels are custom calls it
     # refuses).

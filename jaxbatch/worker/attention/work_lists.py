@@ -5,10 +5,17 @@ carry their sequence's block table. Both loop at run time over the context actua
 the context length is no part of a call's shape: one executable per decode row count (items
 sized for every row at full length) and per prefill token count (tables spanning
 max_pages_per_seq).
+
+A prefill call's tokens are packed back to back, as the model's matmuls want them: a tile
+holds one chunk's tokens, so only attention needs each chunk to start a tile of its own. It
+gathers q into that tiled layout (`tiled_rows` rows: the call's tokens plus up to
+PREFILL_TILE - 1 rows of padding per chunk) and its result back out of it, instead of every
+layer's matmuls computing padding tokens.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import paged_decode, paged_prefill
@@ -17,9 +24,15 @@ from pallas_kernels import xla_paged_attention
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
 
 
+def tiled_rows(tokens: int, chunks: int) -> int:
+    """Rows of the tiled layout of a prefill call of `tokens` tokens in at most `chunks`
+    chunks: each chunk starts a tile, so it may leave up to PREFILL_TILE - 1 rows unused."""
+    rows = tokens + (PREFILL_TILE - 1) * min(chunks, tokens)
+    return -(-rows // PREFILL_TILE) * PREFILL_TILE
+
+
 class WorkListBackend(AttentionBackend):
     name = "xla"
-    prefill_align = PREFILL_TILE
     intermediate_prefill_buckets = True
     mixed_calls = True          # one decode size per row count, one prefill size per token count
 
@@ -39,12 +52,23 @@ class WorkListBackend(AttentionBackend):
         return meta, items
 
     def prefill_metadata(self, chunks, q_starts, tables, query_pos, tokens, pages):
-        # Every tile of a chunk carries its sequence's block table.
-        tile_pages = np.zeros((tokens // PREFILL_TILE, pages), np.int32)      # [T / tile, P]
+        # The tiled layout: each chunk from the start of a tile, every tile of a chunk carrying
+        # its sequence's block table. An index past the end of what it indexes gathers zeros:
+        # padding rows get no query, padding tokens no attention output.
+        rows = tiled_rows(tokens, self.chunks_per_call)
+        tile_pos = np.full(rows, -1, np.int32)                               # [R]
+        tile_pages = np.zeros((rows // PREFILL_TILE, pages), np.int32)       # [R / tile, P]
+        row_token = np.full(rows, tokens, np.int32)      # [R] the token at each row
+        token_row = np.full(tokens, rows, np.int32)      # [T] the row of each token
+        r = 0
         for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
-            last = q0 + len(chunk.token_ids) - 1
-            tile_pages[q0 // PREFILL_TILE:last // PREFILL_TILE + 1] = tables[i]
-        return (query_pos, tile_pages)
+            n = len(chunk.token_ids)
+            tile_pos[r:r + n] = query_pos[q0:q0 + n]
+            tile_pages[r // PREFILL_TILE:(r + n - 1) // PREFILL_TILE + 1] = tables[i]
+            row_token[r:r + n] = np.arange(q0, q0 + n)
+            token_row[q0:q0 + n] = np.arange(r, r + n)
+            r += -(-n // PREFILL_TILE) * PREFILL_TILE
+        return (tile_pos, tile_pages, row_token, token_row)
 
     def placeholder_decode_metadata(self, rows, size):
         return (np.full(size, rows, np.int32),                          # every item is padding
@@ -52,8 +76,9 @@ class WorkListBackend(AttentionBackend):
                 np.zeros(rows, np.int32))
 
     def placeholder_prefill_metadata(self, tokens, pages, chunks):
-        return (np.full(tokens, -1, np.int32),
-                np.zeros((tokens // PREFILL_TILE, pages), np.int32))
+        rows = tiled_rows(tokens, self.chunks_per_call)
+        return (np.full(rows, -1, np.int32), np.zeros((rows // PREFILL_TILE, pages), np.int32),
+                np.full(rows, tokens, np.int32), np.full(tokens, rows, np.int32))
 
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
@@ -75,13 +100,19 @@ class WorkListBackend(AttentionBackend):
         return f"jnp query tiles ({reason})" if reason else "cpu_kernels.paged_prefill"
 
     def prefill_attend(self, meta, scale):
-        """meta = (query_pos [T], tile_pages [T / PREFILL_TILE, P])"""
-        query_pos, tile_pages = meta
-        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
-            _kernel_or_jnp(paged_prefill.why_not, paged_prefill.paged_prefill_attention,
-                           xla_paged_attention.tiled_prefill_attention_xla,
-                           (q, k_pages, v_pages, query_pos, tile_pages + off), scale, scales,
-                           window, soft_cap))
+        """meta = (tile_pos [R], tile_pages [R / PREFILL_TILE, P], row_token [R],
+        token_row [T]): the tiled layout's positions and tables, and the two gathers between
+        the call's packed tokens and it."""
+        tile_pos, tile_pages, row_token, token_row = meta
+
+        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
+            tiled = jnp.take(q, row_token, axis=0, mode="fill", fill_value=0)      # [R, H, D]
+            out = _kernel_or_jnp(paged_prefill.why_not, paged_prefill.paged_prefill_attention,
+                                 xla_paged_attention.tiled_prefill_attention_xla,
+                                 (tiled, k_pages, v_pages, tile_pos, tile_pages + off), scale,
+                                 scales, window, soft_cap)
+            return jnp.take(out, token_row, axis=0, mode="fill", fill_value=0)     # [T, H, D]
+        return attend
 
 
 def _kernel_or_jnp(why_not, kernel_fn, jnp_fn, args, scale, scales, window, soft_cap):
