@@ -129,10 +129,7 @@ class ModelRunner:
             model_cfg, params = self.tp.prepare(model_cfg, params)
         self.model_cfg = model_cfg
         self.params = params
-        self.attention = attention.get_backend(attention_backend)
-        self.backend = self.attention.name
-        chunks_per_call = self.attention.chunks_per_call
-        self.layout = StepLayout(sched_cfg, self.attention, unified_step)
+        self.backend = attention.resolve_backend(attention_backend)
         self.kv_cache_dtype = kv_cache_dtype
         # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
         if self.tp is None:
@@ -143,6 +140,11 @@ class ModelRunner:
         else:
             self.pool = self.tp.allocate_pool(model_cfg, sched_cfg.num_blocks,
                                               sched_cfg.block_size, dtype)
+        # The backend, laying calls out for the kernels that will read this pool.
+        self.attention = attention.get_backend(self.backend).for_pool(self.pool[0].dtype,
+                                                                       model_cfg)
+        chunks_per_call = self.attention.chunks_per_call
+        self.layout = StepLayout(sched_cfg, self.attention, unified_step)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
         common = dict(cfg=model_cfg, backend=self.attention, inv_freq=self._inv_freq,
                       per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
@@ -160,8 +162,8 @@ class ModelRunner:
         store = None
         if lowered_dir is not None and self.tp is None and self.attention.exportable:
             store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
-                model_cfg, sched_cfg, jnp.dtype(dtype).name, self.backend, kv_cache_dtype,
-                chunks_per_call))
+                model_cfg, sched_cfg, jnp.dtype(dtype).name, repr(self.attention),
+                kv_cache_dtype, chunks_per_call))
         self.executables = Executables(functions, store, self.tp)
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.

@@ -8,11 +8,11 @@ An engine step makes at most two kinds of model call, or a mixed call holding bo
            Attention inputs: the xla backend's work items, sized for the longest contexts
            the rows can have (its attention loops over the items in use at run time, so the
            key is rows only); the other backends' block tables, padded to a page bucket.
-  prefill  the step's prefill chunks packed back to back into one call (more only when they
-           overflow the largest token bucket or the backend's chunks_per_call), tokens padded
-           to a bucket; xla's tile tables span max_pages_per_seq (its attention stops at the
-           call's last position, and lays the chunks out in tiles itself), the others' block
-           tables a page bucket.
+  prefill  the step's prefill chunks packed into one call (more only when they overflow the
+           largest token bucket or the backend's chunks_per_call), each starting on a
+           multiple of the backend's `prefill_align` (1: back to back), tokens padded to a
+           bucket; xla's tile tables span max_pages_per_seq (its attention stops at the
+           call's last position), the others' block tables a page bucket.
   mixed    with `unified` (the `unified_step` option, on backends with `mixed_calls`): a step
            whose decode rows fill the largest row bucket runs them and its (first) prefill
            call as one call, decode rows first, then the packed prefill tokens: one pass over
@@ -21,8 +21,8 @@ An engine step makes at most two kinds of model call, or a mixed call holding bo
            one per prefill token bucket. Only the largest row bucket: a busy engine admits
            beside a full decode batch, and smaller ones would multiply the executables to
            compile and run at warm-up by the number of row buckets.
-Buckets are powers of two (and, for xla's prefill tokens, quarter steps between them), so the set
-of shapes is small and known (`bucket_shapes`).
+Buckets are powers of two (and, for xla's prefill tokens, steps between them), so the set of
+shapes is small and known (`bucket_shapes`).
 Block ids in every array are layer 0's; the model shifts them per layer.
 """
 from __future__ import annotations
@@ -132,15 +132,17 @@ class StepLayout:
         return [1 << i for i in range(last.bit_length()) if 1 << i >= MIN_DECODE_ROWS]
 
     def prefill_token_buckets(self) -> list[int]:
-        """Powers of two from MIN_PREFILL_BUCKET; with the xla backend (one executable per
-        token bucket, none per context, and tokens packed back to back) also the quarter
-        steps between them from 32 (40, 48, 56, 64, 80, ...), so a call's bucket is at most
-        1.25x its tokens instead of 2x."""
+        """Powers of two from MIN_PREFILL_BUCKET, and from 32 the steps between them that the
+        backend asks for (`prefill_bucket_quarters`): the xla backend, with one executable
+        per token bucket and none per context, has 1.5x (48, 96, ...) where it starts chunks
+        on tiles, and quarter steps (40, 48, 56, 64, 80, ...) where it packs them back to
+        back, so a call's bucket is at most 1.5x or 1.25x its tokens instead of 2x."""
         t, out = MIN_PREFILL_BUCKET, []
         while t <= self.max_prefill_tokens:
             out.append(t)
-            if self.backend.intermediate_prefill_buckets and t >= 32:
-                out += [t * q // 4 for q in (5, 6, 7) if t * q // 4 <= self.max_prefill_tokens]
+            if t >= 32:
+                out += [t * q // 4 for q in self.backend.prefill_bucket_quarters
+                        if t * q // 4 <= self.max_prefill_tokens]
             t *= 2
         return out
 
@@ -206,10 +208,11 @@ class StepLayout:
 
     # ---- prefill -------------------------------------------------------------------------
     def pack_prefills(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Greedy, in plan order: chunks join a call while its tokens fit."""
+        """Greedy, in plan order: chunks join a call while its aligned tokens fit."""
+        align = self.backend.prefill_align
         calls, current, used = [], [], 0
         for chunk in chunks:
-            size = len(chunk.token_ids)
+            size = -(-len(chunk.token_ids) // align) * align
             if current and (used + size > self.max_prefill_tokens
                             or len(current) == self.chunks_per_call):
                 calls.append(current)
@@ -221,11 +224,11 @@ class StepLayout:
     def prefill_call(self, chunks: list[PrefillChunk], plan: StepPlan,
                      next_tokens: dict[int, int]) -> ModelCall:
         """`next_tokens[seq_id]`: the token after a chunk (for prompt logprobs), -1 if none."""
-        bs = self.cfg.block_size
+        bs, align = self.cfg.block_size, self.backend.prefill_align
         q_starts, used = [], 0
         for chunk in chunks:
             q_starts.append(used)
-            used += len(chunk.token_ids)
+            used += -(-len(chunk.token_ids) // align) * align
         t = self.prefill_bucket(used)
         pages = self.backend.prefill_pages(self, t, chunks)
         s = self.chunks_per_call

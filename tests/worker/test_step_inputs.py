@@ -16,7 +16,8 @@ from jaxbatch.worker.attention.work_lists import WorkListBackend
 from jaxbatch.worker.step_inputs import StepLayout
 
 # One backend of each metadata kind, and the one-chunk-per-call oracle.
-BACKENDS = {"xla": WorkListBackend(), "pallas": BlockTableBackend("pallas"),
+BACKENDS = {"xla": WorkListBackend(), "xla_packed": WorkListBackend(packed_prefill=True),
+            "pallas": BlockTableBackend("pallas"),
             "reference": BlockTableBackend("reference")}
 
 CONFIGS = [
@@ -83,7 +84,7 @@ def test_every_call_of_a_boundary_plan_has_a_warmed_key(cfg, backend):
 
 def test_placeholder_calls_have_the_shapes_of_real_calls():
     cfg = CONFIGS[0]
-    for backend in ("xla", "pallas"):
+    for backend in ("xla", "xla_packed", "pallas"):
         layout = StepLayout(cfg, BACKENDS[backend])
         plan = next(_decode_plans(cfg))
         real = layout.decode_call(plan)

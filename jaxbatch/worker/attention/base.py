@@ -25,9 +25,11 @@ class AttentionBackend:
     name: str
     # Chunks (rows sampled) per prefill call.
     chunks_per_call: int = 8
-    # Token buckets at quarter steps between the powers of two (cheap where context is no
-    # shape: one executable per token bucket).
-    intermediate_prefill_buckets: bool = False
+    # Prefill chunks start on multiples of this many tokens of a call.
+    prefill_align: int = 1
+    # Token buckets between the powers of two from 32, in quarters of the power below them
+    # (6: 1.5x). Cheap where context is no shape: one executable per token bucket.
+    prefill_bucket_quarters: tuple[int, ...] = ()
     # Whether `jax.export` can store its lowered steps (Pallas kernels are custom calls it
     # refuses).
     exportable: bool = True
@@ -35,6 +37,12 @@ class AttentionBackend:
     # worth it where each kind has one size per row or token count, since a mixed call has a
     # key per pair of them.
     mixed_calls: bool = False
+
+    def for_pool(self, pool_dtype, model_cfg) -> "AttentionBackend":
+        """This backend as it lays out calls on a pool of `pool_dtype` for `model_cfg`: the
+        runner asks once, before building its `StepLayout`, so a backend may pick the layout
+        its kernels read fastest."""
+        return self
 
     # ---- host: shapes --------------------------------------------------------------------
     def decode_sizes(self, layout, rows: int) -> list[int]:

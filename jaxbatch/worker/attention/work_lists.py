@@ -6,11 +6,14 @@ the context length is no part of a call's shape: one executable per decode row c
 sized for every row at full length) and per prefill token count (tables spanning
 max_pages_per_seq).
 
-A prefill call's tokens are packed back to back, as the model's matmuls want them: a tile
-holds one chunk's tokens, so only attention needs each chunk to start a tile of its own. It
-gathers q into that tiled layout (`tiled_rows` rows: the call's tokens plus up to
-PREFILL_TILE - 1 rows of padding per chunk) and its result back out of it, instead of every
-layer's matmuls computing padding tokens.
+Its prefill layout follows the kernel that will read it (`for_pool`). Every chunk's tokens
+must start a query tile of their own. Where the C++ prefill kernel runs (bf16 pools on a CPU
+that builds it), the call packs tokens back to back, as the model's matmuls want them, and
+attention alone gathers q into the tiled layout (`tiled_rows` rows: up to PREFILL_TILE - 1
+rows of padding per chunk) and its result back out: the kernel skips a tile of padding, so
+the matmuls compute no padding tokens and attention none either. Elsewhere (float32 and int8
+pools, other platforms) the jnp tiles compute every row they are given, so the call itself
+starts each chunk on a tile (`prefill_align`): no gathers, and only its bucket's padding.
 """
 from __future__ import annotations
 
@@ -33,8 +36,22 @@ def tiled_rows(tokens: int, chunks: int) -> int:
 
 class WorkListBackend(AttentionBackend):
     name = "xla"
-    intermediate_prefill_buckets = True
     mixed_calls = True          # one decode size per row count, one prefill size per token count
+
+    def __init__(self, packed_prefill: bool = False):
+        self.packed_prefill = packed_prefill
+        self.prefill_align = 1 if packed_prefill else PREFILL_TILE
+        # Quarter steps are whole tiles only from 64; aligned calls keep the 1.5x steps.
+        self.prefill_bucket_quarters = (5, 6, 7) if packed_prefill else (6,)
+
+    def for_pool(self, pool_dtype, model_cfg):
+        reason = paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
+                                       model_cfg.head_dim, model_cfg.attn_soft_cap)
+        return WorkListBackend(packed_prefill=reason is None and jax.default_backend() == "cpu")
+
+    def prefill_rows(self, tokens: int) -> int:
+        """Rows of the tiled layout attention reads for a call of `tokens` tokens."""
+        return tiled_rows(tokens, self.chunks_per_call) if self.packed_prefill else tokens
 
     def decode_sizes(self, layout, rows):
         return [layout.decode_item_capacity(rows)]
@@ -53,9 +70,10 @@ class WorkListBackend(AttentionBackend):
 
     def prefill_metadata(self, chunks, q_starts, tables, query_pos, tokens, pages):
         # The tiled layout: each chunk from the start of a tile, every tile of a chunk carrying
-        # its sequence's block table. An index past the end of what it indexes gathers zeros:
-        # padding rows get no query, padding tokens no attention output.
-        rows = tiled_rows(tokens, self.chunks_per_call)
+        # its sequence's block table (aligned calls are that layout already: row = token). An
+        # index past the end of what it indexes gathers zeros: padding rows get no query,
+        # padding tokens no attention output.
+        rows = self.prefill_rows(tokens)
         tile_pos = np.full(rows, -1, np.int32)                               # [R]
         tile_pages = np.zeros((rows // PREFILL_TILE, pages), np.int32)       # [R / tile, P]
         row_token = np.full(rows, tokens, np.int32)      # [R] the token at each row
@@ -68,7 +86,7 @@ class WorkListBackend(AttentionBackend):
             row_token[r:r + n] = np.arange(q0, q0 + n)
             token_row[q0:q0 + n] = np.arange(r, r + n)
             r += -(-n // PREFILL_TILE) * PREFILL_TILE
-        return (tile_pos, tile_pages, row_token, token_row)
+        return (tile_pos, tile_pages) + ((row_token, token_row) if self.packed_prefill else ())
 
     def placeholder_decode_metadata(self, rows, size):
         return (np.full(size, rows, np.int32),                          # every item is padding
@@ -76,9 +94,11 @@ class WorkListBackend(AttentionBackend):
                 np.zeros(rows, np.int32))
 
     def placeholder_prefill_metadata(self, tokens, pages, chunks):
-        rows = tiled_rows(tokens, self.chunks_per_call)
-        return (np.full(rows, -1, np.int32), np.zeros((rows // PREFILL_TILE, pages), np.int32),
-                np.full(rows, tokens, np.int32), np.full(tokens, rows, np.int32))
+        rows = self.prefill_rows(tokens)
+        tiled = (np.full(rows, -1, np.int32), np.zeros((rows // PREFILL_TILE, pages), np.int32))
+        if not self.packed_prefill:
+            return tiled
+        return tiled + (np.full(rows, tokens, np.int32), np.full(tokens, rows, np.int32))
 
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
@@ -100,19 +120,25 @@ class WorkListBackend(AttentionBackend):
         return f"jnp query tiles ({reason})" if reason else "cpu_kernels.paged_prefill"
 
     def prefill_attend(self, meta, scale):
-        """meta = (tile_pos [R], tile_pages [R / PREFILL_TILE, P], row_token [R],
-        token_row [T]): the tiled layout's positions and tables, and the two gathers between
-        the call's packed tokens and it."""
-        tile_pos, tile_pages, row_token, token_row = meta
+        """meta = (tile_pos [R], tile_pages [R / PREFILL_TILE, P]), the tiled layout's
+        positions and tables, and with packed prefill (row_token [R], token_row [T]), the two
+        gathers between the call's tokens and it (R = T without)."""
+        tile_pos, tile_pages, *gathers = meta
 
         def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
-            tiled = jnp.take(q, row_token, axis=0, mode="fill", fill_value=0)      # [R, H, D]
+            if gathers:
+                q = jnp.take(q, gathers[0], axis=0, mode="fill", fill_value=0)    # [R, H, D]
             out = _kernel_or_jnp(paged_prefill.why_not, paged_prefill.paged_prefill_attention,
                                  xla_paged_attention.tiled_prefill_attention_xla,
-                                 (tiled, k_pages, v_pages, tile_pos, tile_pages + off), scale,
+                                 (q, k_pages, v_pages, tile_pos, tile_pages + off), scale,
                                  scales, window, soft_cap)
-            return jnp.take(out, token_row, axis=0, mode="fill", fill_value=0)     # [T, H, D]
+            if gathers:
+                out = jnp.take(out, gathers[1], axis=0, mode="fill", fill_value=0)  # [T, H, D]
+            return out
         return attend
+
+    def __repr__(self) -> str:
+        return f"WorkListBackend({self.name!r}, packed_prefill={self.packed_prefill})"
 
 
 def _kernel_or_jnp(why_not, kernel_fn, jnp_fn, args, scale, scales, window, soft_cap):
