@@ -136,7 +136,8 @@ class StepLayout:
         backend asks for (`prefill_bucket_quarters`): the xla backend, with one executable
         per token bucket and none per context, has 1.5x (48, 96, ...) where it starts chunks
         on tiles, and quarter steps (40, 48, 56, 64, 80, ...) where it packs them back to
-        back, so a call's bucket is at most 1.5x or 1.25x its tokens instead of 2x."""
+        back: from 32 up, a call's bucket is at most 1.5x its tile-aligned tokens, or 1.25x
+        its packed ones, instead of 2x."""
         t, out = MIN_PREFILL_BUCKET, []
         while t <= self.max_prefill_tokens:
             out.append(t)

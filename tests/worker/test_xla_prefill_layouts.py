@@ -5,6 +5,7 @@ tiles, and the C++ kernel where this machine builds it); and the runner picks pa
 where the kernel reads the pool."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -107,7 +108,8 @@ def test_the_runner_packs_prefill_only_where_the_kernel_reads_the_pool():
     for pool_dtype in (jnp.float32, jnp.int8, jnp.bfloat16):
         assert not WorkListBackend().for_pool(pool_dtype, cfg).packed_prefill
     bits = WorkListBackend().for_pool(jnp.uint16, cfg)
-    kernel_runs = paged_prefill.why_not(jnp.uint16, HEADS, KV_HEADS, HEAD_DIM) is None
+    kernel_runs = (paged_prefill.why_not(jnp.uint16, HEADS, KV_HEADS, HEAD_DIM) is None
+                   and jax.default_backend() == "cpu")
     assert bits.packed_prefill == kernel_runs
     assert bits.prefill_align == (1 if kernel_runs else 16)
     # Aligned calls keep buckets that are whole tiles.
@@ -115,6 +117,9 @@ def test_the_runner_packs_prefill_only_where_the_kernel_reads_the_pool():
     assert all(t % 16 == 0 for t in tiled.prefill_token_buckets())
     packed = StepLayout(CFG, WorkListBackend(packed_prefill=True))
     assert set(tiled.prefill_token_buckets()) < set(packed.prefill_token_buckets())
+    # A bucket of partial tiles is refused, not split into tiles of another size.
+    with pytest.raises(AssertionError):
+        tiled.backend.placeholder_prefill_metadata(40, 4, 8)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -128,7 +133,7 @@ def test_an_engine_lays_prefill_out_for_its_pool(dtype):
                        max_model_len=64, attention_backend="xla", warmup=False)
     runner = engine.runner
     cfg = runner.model_cfg
-    kernel_runs = paged_prefill.why_not(jnp.uint16, cfg.num_heads, cfg.num_kv_heads,
-                                        cfg.head_dim) is None
+    kernel_runs = (paged_prefill.why_not(jnp.uint16, cfg.num_heads, cfg.num_kv_heads,
+                                         cfg.head_dim) is None and jax.default_backend() == "cpu")
     assert runner.attention.packed_prefill == (dtype == "bfloat16" and kernel_runs)
     assert runner.layout.backend is runner.attention

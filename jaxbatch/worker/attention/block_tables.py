@@ -46,7 +46,7 @@ class BlockTableBackend(AttentionBackend):
         return (tables, lengths), size
 
     def prefill_metadata(self, chunks, q_starts, tables, query_pos, tokens, pages):
-        # The ragged contract: chunks packed back to back, as every call packs them.
+        # The ragged contract: chunks packed back to back, as `prefill_align = 1` packs them.
         s = tables.shape[0]
         kv_lens = np.zeros(s, np.int32)
         cu_q_lens = np.zeros(s + 1, np.int32)

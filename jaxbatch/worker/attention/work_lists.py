@@ -41,17 +41,21 @@ class WorkListBackend(AttentionBackend):
     def __init__(self, packed_prefill: bool = False):
         self.packed_prefill = packed_prefill
         self.prefill_align = 1 if packed_prefill else PREFILL_TILE
-        # Quarter steps are whole tiles only from 64; aligned calls keep the 1.5x steps.
+        # Aligned calls keep the 1.5x steps, every one a whole number of tiles (40 and 56
+        # are not), and the executables of the layout they had before packing.
         self.prefill_bucket_quarters = (5, 6, 7) if packed_prefill else (6,)
 
     def for_pool(self, pool_dtype, model_cfg):
-        reason = paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
-                                       model_cfg.head_dim, model_cfg.attn_soft_cap)
+        reason = _prefill_kernel_reason(pool_dtype, model_cfg)
         return WorkListBackend(packed_prefill=reason is None and jax.default_backend() == "cpu")
 
     def prefill_rows(self, tokens: int) -> int:
         """Rows of the tiled layout attention reads for a call of `tokens` tokens."""
-        return tiled_rows(tokens, self.chunks_per_call) if self.packed_prefill else tokens
+        rows = tiled_rows(tokens, self.chunks_per_call) if self.packed_prefill else tokens
+        # An aligned call's bucket that is not whole tiles would split into tiles of another
+        # size, silently.
+        assert rows % PREFILL_TILE == 0, f"{tokens} tokens are not whole {PREFILL_TILE}-row tiles"
+        return rows
 
     def decode_sizes(self, layout, rows):
         return [layout.decode_item_capacity(rows)]
@@ -83,8 +87,9 @@ class WorkListBackend(AttentionBackend):
             n = len(chunk.token_ids)
             tile_pos[r:r + n] = query_pos[q0:q0 + n]
             tile_pages[r // PREFILL_TILE:(r + n - 1) // PREFILL_TILE + 1] = tables[i]
-            row_token[r:r + n] = np.arange(q0, q0 + n)
-            token_row[q0:q0 + n] = np.arange(r, r + n)
+            if self.packed_prefill:
+                row_token[r:r + n] = np.arange(q0, q0 + n)
+                token_row[q0:q0 + n] = np.arange(r, r + n)
             r += -(-n // PREFILL_TILE) * PREFILL_TILE
         return (tile_pos, tile_pages) + ((row_token, token_row) if self.packed_prefill else ())
 
@@ -115,8 +120,7 @@ class WorkListBackend(AttentionBackend):
         return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
 
     def prefill_kernel(self, pool_dtype, model_cfg) -> str:
-        reason = paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
-                                       model_cfg.head_dim, model_cfg.attn_soft_cap)
+        reason = _prefill_kernel_reason(pool_dtype, model_cfg)
         return f"jnp query tiles ({reason})" if reason else "cpu_kernels.paged_prefill"
 
     def prefill_attend(self, meta, scale):
@@ -139,6 +143,12 @@ class WorkListBackend(AttentionBackend):
 
     def __repr__(self) -> str:
         return f"WorkListBackend({self.name!r}, packed_prefill={self.packed_prefill})"
+
+
+def _prefill_kernel_reason(pool_dtype, model_cfg) -> str | None:
+    """Why the C++ prefill kernel does not cover a pool of `pool_dtype` here, or None."""
+    return paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
+                                 model_cfg.head_dim, model_cfg.attn_soft_cap)
 
 
 def _kernel_or_jnp(why_not, kernel_fn, jnp_fn, args, scale, scales, window, soft_cap):
