@@ -2,7 +2,7 @@
 embedded model's matrices, at the row counts the engine calls them with.
 
     python -m jaxbatch bench gemm [--rows 1 4 16 64 256] [--dtype bfloat16 float32]
-                                  [--matrices wqkv wo ...] [--calls 30] [--out results/gemm]
+                                  [--matrices wqkv wo ...] [--calls 30] [--out bench_out/gemm]
 
 Both run on the same random x and weight, in their own storage forms: XLA's dot over the
 transposed [out, in] weight (`precision.to_storage`'s form, which XLA:CPU's fully-connected
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--matrices", nargs="+", default=[name for name, _, _ in SHAPES],
                     choices=[name for name, _, _ in SHAPES])
     ap.add_argument("--calls", type=int, default=30)
-    ap.add_argument("--out", default="results/gemm")
+    ap.add_argument("--out", default="bench_out/gemm")
     args = ap.parse_args(argv)
     from cpu_kernels import packed_gemm
     reason = packed_gemm.unavailable_reason()

@@ -74,24 +74,26 @@ class WorkListBackend(AttentionBackend):
 
     def prefill_metadata(self, chunks, q_starts, tables, query_pos, tokens, pages):
         # The tiled layout: each chunk from the start of a tile, every tile of a chunk carrying
-        # its sequence's block table (aligned calls are that layout already: row = token). An
-        # index past the end of what it indexes gathers zeros: padding rows get no query,
-        # padding tokens no attention output.
-        rows = self.prefill_rows(tokens)
-        tile_pos = np.full(rows, -1, np.int32)                               # [R]
+        # its sequence's block table. Aligned calls are that layout already (row = token, so
+        # query_pos is its positions); packed ones add the gathers into it and back. An index
+        # past the end of what it indexes gathers zeros: padding rows get no query, padding
+        # tokens no attention output.
+        packed, rows = self.packed_prefill, self.prefill_rows(tokens)
         tile_pages = np.zeros((rows // PREFILL_TILE, pages), np.int32)       # [R / tile, P]
-        row_token = np.full(rows, tokens, np.int32)      # [R] the token at each row
-        token_row = np.full(tokens, rows, np.int32)      # [T] the row of each token
+        if packed:
+            tile_pos = np.full(rows, -1, np.int32)                           # [R]
+            row_token = np.full(rows, tokens, np.int32)  # [R] the token at each row
+            token_row = np.full(tokens, rows, np.int32)  # [T] the row of each token
         r = 0
         for i, (chunk, q0) in enumerate(zip(chunks, q_starts)):
             n = len(chunk.token_ids)
-            tile_pos[r:r + n] = query_pos[q0:q0 + n]
             tile_pages[r // PREFILL_TILE:(r + n - 1) // PREFILL_TILE + 1] = tables[i]
-            if self.packed_prefill:
+            if packed:
+                tile_pos[r:r + n] = query_pos[q0:q0 + n]
                 row_token[r:r + n] = np.arange(q0, q0 + n)
                 token_row[q0:q0 + n] = np.arange(r, r + n)
             r += -(-n // PREFILL_TILE) * PREFILL_TILE
-        return (tile_pos, tile_pages) + ((row_token, token_row) if self.packed_prefill else ())
+        return (tile_pos, tile_pages, row_token, token_row) if packed else (query_pos, tile_pages)
 
     def placeholder_decode_metadata(self, rows, size):
         return (np.full(size, rows, np.int32),                          # every item is padding
