@@ -26,7 +26,10 @@
 // (pool_dispatch.h); each panel of the weight is read from memory once per call. With
 // more than one row tile the memory traffic would come in bursts (the first tile of a panel
 // waits on memory, the others compute from cache), so a thread claims its next unit ahead and
-// its later tiles prefetch that unit's panel while they compute.
+// its later tiles prefetch that unit's panel while they compute. A tile that computes from
+// cache while the next one streams also requests the KV pages the next layer's decode
+// attention will read, as decode attention published them (kv_prefetch.h): arithmetic here,
+// memory there, at the same time.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -37,6 +40,7 @@
 #include <type_traits>
 
 #include "attention_simd.h"
+#include "kv_prefetch.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,6 +51,8 @@ namespace {
 constexpr int kRows = 8;     // rows of a register tile
 constexpr int kBlocks = 3;   // 16-column blocks of a register tile (and of a unit of work)
 constexpr int kPrefetchLines = 12;
+constexpr int64_t kKvEvery = 2;         // steps of a tile per published KV line pair requested
+constexpr int64_t kMaxKvLines = 1024;   // KV lines one tile requests at most
 
 // One step of k: bf16 consumes a pair of x values, float32 one.
 template <typename T>
@@ -126,7 +132,8 @@ inline void SiluMulStore(__m512 gate, __m512 up, uint16_t* y) {
 
 // y[r, 16 b .. 16 (b + NB)) for rows r0 .. r0 + MR, blocks b .. b + NB.
 template <typename T, int MR, int NB, Prefetch kPrefetch>
-void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) {
+void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
+          jaxbatch_prefetch::Feed& feed) {
   constexpr int64_t kLine = 64 / sizeof(T);
   const int64_t steps = p.steps(), stride = p.block_elems(), jump = p.jump * stride;
   const T* x = p.x + r0 * p.k;
@@ -136,7 +143,22 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t countdown = next.every, q = next.first;
   const int64_t q_end = next.first + next.count;
+  // A tile computing from cache (kNone: the panel was prefetched by the unit before) requests
+  // published KV lines (kv_prefetch.h), a key and a value line every kKvEvery steps; tiles
+  // that stream their own panel leave memory to it.
+  const char* kv_lines[kMaxKvLines];
+  const int64_t kv_count = kPrefetch != Prefetch::kNone ? 0 :
+      feed.Fill(kv_lines, std::min<int64_t>(kMaxKvLines, 2 * (steps / kKvEvery)));
+  int64_t kv_countdown = kKvEvery, kv_at = 0;
   for (int64_t s = 0; s < steps; ++s) {
+    if (--kv_countdown == 0) {
+      kv_countdown = kKvEvery;
+      if (kv_at < kv_count) {
+        _mm_prefetch(kv_lines[kv_at], _MM_HINT_T2);
+        _mm_prefetch(kv_lines[kv_at + 1], _MM_HINT_T2);
+        kv_at += 2;
+      }
+    }
     if (kPrefetch == Prefetch::kOwn) {
       const int64_t ahead = s + kPrefetchLines;
       if (ahead < steps)
@@ -182,16 +204,17 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next) 
 }
 
 template <typename T, int NB, Prefetch kPrefetch>
-void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const NextLines<T>& next) {
+void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const NextLines<T>& next,
+             jaxbatch_prefetch::Feed& feed) {
   switch (rows) {
-    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b, next);
-    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b, next);
-    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b, next);
-    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b, next);
-    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b, next);
-    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b, next);
-    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b, next);
-    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b, next);
+    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b, next, feed);
+    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b, next, feed);
+    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b, next, feed);
+    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b, next, feed);
+    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b, next, feed);
+    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b, next, feed);
+    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b, next, feed);
+    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b, next, feed);
   }
 }
 
@@ -201,41 +224,44 @@ void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const Nex
 // first unit: it prefetches its own lines ahead instead), and the others prefetch the panel of
 // `next_b` (-1: none).
 template <typename T, int NB>
-void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold) {
+void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold,
+           jaxbatch_prefetch::Feed& feed) {
   const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
   NextLines<T> next;
   if (tiles == 1) {
     if (next_b >= 0) next.panel = p.w + next_b * p.block_elems();
-    return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, next);
+    return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, next, feed);
   }
   const int64_t later = tiles - 1, share = (steps + later - 1) / later;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, p.m - r0);
     if (t == 0 && cold) {
-      RowTile<T, NB, Prefetch::kOwn>(p, r0, rows, b, next);
+      RowTile<T, NB, Prefetch::kOwn>(p, r0, rows, b, next, feed);
       continue;
     }
     if (t == 0 || next_b < 0) {
-      RowTile<T, NB, Prefetch::kNone>(p, r0, rows, b, next);
+      RowTile<T, NB, Prefetch::kNone>(p, r0, rows, b, next, feed);
       continue;
     }
     next.panel = p.w + next_b * p.block_elems();
     next.first = (t - 1) * share;
     next.count = std::min<int64_t>(share, steps - next.first);
     next.every = later;
-    RowTile<T, NB, Prefetch::kNext>(p, r0, rows, b, next);
+    RowTile<T, NB, Prefetch::kNext>(p, r0, rows, b, next, feed);
   }
 }
 
 template <typename T>
-void RunUnit(const Problem<T>& p, int64_t unit, int64_t next_unit, bool cold) {
-  if (p.silu_mul) return Panel<T, 2>(p, unit, next_unit, cold);   // gate block unit, its up block
+void RunUnit(const Problem<T>& p, int64_t unit, int64_t next_unit, bool cold,
+             jaxbatch_prefetch::Feed& feed) {
+  // silu * up: a unit is a gate block and its up block
+  if (p.silu_mul) return Panel<T, 2>(p, unit, next_unit, cold, feed);
   const int64_t b = unit * kBlocks;
   const int64_t next_b = next_unit < 0 ? -1 : next_unit * kBlocks;
   switch (std::min<int64_t>(kBlocks, p.n_blocks - b)) {
-    case 1: return Panel<T, 1>(p, b, next_b, cold);
-    case 2: return Panel<T, 2>(p, b, next_b, cold);
-    default: return Panel<T, 3>(p, b, next_b, cold);
+    case 1: return Panel<T, 1>(p, b, next_b, cold, feed);
+    case 2: return Panel<T, 2>(p, b, next_b, cold, feed);
+    default: return Panel<T, 3>(p, b, next_b, cold, feed);
   }
 }
 
@@ -250,10 +276,11 @@ struct Job {
   // A thread claims its next unit before it starts the current one, so that it can prefetch
   // the next panel while it computes.
   void Work() {
+    jaxbatch_prefetch::Feed feed;
     int64_t u = next.fetch_add(1, std::memory_order_relaxed);
     for (bool cold = true; u < units; cold = false) {
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
-      RunUnit(p, u, after < units ? after : -1, cold);
+      RunUnit(p, u, after < units ? after : -1, cold, feed);
       done.fetch_add(1, std::memory_order_release);
       u = after;
     }
@@ -317,6 +344,8 @@ using F32Y = ffi::Buffer<ffi::F32, 2>;
 using Bf16Y = ffi::Buffer<ffi::BF16, 2>;
 
 }  // namespace
+
+JAXBATCH_DEFINE_PREFETCH_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16X, Bf16W, F32Y>),
                               (Binding<Bf16X, Bf16W, F32Y>()));

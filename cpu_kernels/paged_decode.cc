@@ -24,7 +24,10 @@
 // row's result depends on its own keys only, in a fixed order, whatever the batch. Units are
 // claimed through an atomic counter by the calling thread and helpers on XLA's intra-op
 // thread pool; while enough are left, each claims its next unit before it runs the current
-// one, and requests spans a few ahead of the one it computes, into the next unit's.
+// one, and requests spans a few ahead of the one it computes, into the next unit's. Before it
+// starts, a call publishes the pages its rows will read at the next layer (attribute
+// `next_layer_blocks`: how far on that layer's blocks lie in the folded pool), for the GEMMs
+// in between to request into cache (kv_prefetch.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -38,6 +41,7 @@
 
 #include "attention_simd.h"
 #include "decode_elems.h"
+#include "kv_prefetch.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -252,6 +256,35 @@ struct Job {
   }
 };
 
+// The pages each row will read at the next layer, `next_layer_blocks` block ids further on in
+// the folded pool, for the GEMMs in between to request (kv_prefetch.h). Past the last layer
+// the ids leave the pool, and with next_layer_blocks 0 (not known) there is no next layer:
+// then the queue is emptied, so that no GEMM requests what an earlier call published.
+template <typename T>
+void PublishNextLayer(const Problem<T>& p, int64_t next_layer_blocks) {
+  const int64_t bs = p.block_size, D = p.head_dim, bytes = bs * D * sizeof(T);
+  jaxbatch_prefetch::Publish([&](jaxbatch_prefetch::Range* ranges, int64_t max) {
+    int64_t n = 0;
+    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0; ++row) {
+      const int64_t length = p.lengths[row], end_item = p.first_item[row] + p.item_count[row];
+      const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
+      for (int64_t it = p.first_item[row]; it < end_item; ++it)
+        for (int64_t j = 0; j < p.pages_per_item; ++j) {
+          const int64_t page_pos = p.item_first_pos[it] + j * bs;
+          if (page_pos >= length) break;
+          const int64_t page = p.item_pages[it * p.pages_per_item + j] + next_layer_blocks;
+          if (page < 0 || page >= p.num_pages || page_pos + bs <= lo) continue;
+          for (int64_t g = 0; g < p.kv_heads && n < max; ++g) {
+            const int64_t at = (g * p.num_pages + page) * bs * D;
+            jaxbatch_prefetch::Store(ranges[n++], reinterpret_cast<const char*>(p.k + at),
+                                     reinterpret_cast<const char*>(p.v + at), bytes);
+          }
+        }
+    }
+    return n;
+  });
+}
+
 using I32Vector = ffi::Buffer<ffi::S32, 1>;
 using I32Matrix = ffi::Buffer<ffi::S32, 2>;
 using F32Array3 = ffi::Buffer<ffi::F32, 3>;
@@ -261,7 +294,8 @@ using F32Vector = ffi::Buffer<ffi::F32, 1>;
 template <typename T, typename Q, typename Pool, typename Y>
 ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
                            I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
-                           I32Vector window, F32Vector scale, ffi::Result<Y> out) {
+                           I32Vector window, F32Vector scale, ffi::Result<Y> out,
+                           int64_t next_layer_blocks) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   auto job = std::make_shared<Job<T>>();
   Problem<T>& p = job->p;
@@ -289,6 +323,7 @@ ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector
       ++p.item_count[row];
     }
   }
+  PublishNextLayer(p, next_layer_blocks);
   job->units = p.batch * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
   job->workers = std::max<int64_t>(helpers, 0) + 1;
@@ -308,7 +343,8 @@ constexpr auto Binding() {
       .template Arg<I32Vector>()
       .template Arg<I32Vector>()
       .template Arg<F32Vector>()
-      .template Ret<Y>();
+      .template Ret<Y>()
+      .template Attr<int64_t>("next_layer_blocks");
 }
 
 using Bf16Q = ffi::Buffer<ffi::BF16, 3>;
@@ -318,6 +354,8 @@ using F32Pool = ffi::Buffer<ffi::F32, 4>;
 using Bf16Array3 = ffi::Buffer<ffi::BF16, 3>;
 
 }  // namespace
+
+JAXBATCH_DEFINE_PREFETCH_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecode,
                               (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, F32Array3>),

@@ -11,12 +11,18 @@ online softmax, and gives each row the same result whatever the batch.
                            (int8 pages; a soft cap; more than MAX_GROUP query heads per kv
                            head; an odd head_dim or one past MAX_HEAD_DIM)
     paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos,
-                           lengths, *, scale, window)  -> [B, H, D] in q's dtype
+                           lengths, *, scale, window, next_layer_blocks=0)
+                           -> [B, H, D] in q's dtype. `next_layer_blocks`: in a pool folding
+                           every layer's blocks into one axis, how far the next layer's
+                           blocks lie; the kernel publishes the pages its rows read there
+                           for the GEMMs before that layer to prefetch (kv_prefetch.h,
+                           kv_hints.py). 0: nothing published. A hint: no result changes.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cpu_kernels import availability
 
@@ -54,7 +60,7 @@ def why_not(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap=None) -> str
 
 
 def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_first_pos, lengths,
-                           *, scale=None, window=None):
+                           *, scale=None, window=None, next_layer_blocks=0):
     uncovered = _uncovered(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], None)
     if uncovered or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"paged_decode: q [B, H, D] and bf16-bit or float32 pools expected, "
@@ -71,5 +77,6 @@ def paged_decode_attention(q, k_pages, v_pages, item_slot, item_pages, item_firs
     # q in the keys' dtype, as the reference multiplies them
     result = jax.ffi.ffi_call(target, out)(
         q.astype(q_dtype), k_pages, v_pages, i32(item_slot), i32(item_pages),
-        i32(item_first_pos), i32(lengths), window, scale)
+        i32(item_first_pos), i32(lengths), window, scale,
+        next_layer_blocks=np.int64(next_layer_blocks))
     return result.astype(q.dtype)

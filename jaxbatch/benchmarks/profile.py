@@ -1,7 +1,7 @@
 """Where the device time of the mixed chat workload goes, executable by executable.
 
     jaxbatch bench profile [--num-requests 48] [--max-num-seqs 16] [--prefix-caching]
-                           [--dtype float32] [--no-unified-step]
+                           [--dtype float32] [--no-unified-step] [--block-size 16]
 
 The serve benchmark's workload (bundled prompts, chat template, output lengths lognormal(32, 1) in
 [8, 256]) through `LLM.chat`, greedy, float32, after an untimed pass over the first
@@ -35,6 +35,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine option: decode rows inside the step's prefill call")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     from jaxbatch import LLM, SamplingParams
@@ -42,7 +43,8 @@ def main(argv=None) -> dict:
     workload = make_workload(args.num_requests)
     llm = LLM(max_num_seqs=args.max_num_seqs, max_model_len=2048, dtype=args.dtype,
               async_scheduling=False, enable_prefix_caching=args.prefix_caching,
-              prefix_cache_granularity="block", unified_step=args.unified_step)
+              prefix_cache_granularity="block", unified_step=args.unified_step,
+              block_size=args.block_size)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
               for r in workload]
     chats = [[{"role": "user", "content": r.text}] for r in workload]

@@ -17,6 +17,8 @@ starts each chunk on a tile (`prefill_align`): no gathers, and only its bucket's
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +40,11 @@ class WorkListBackend(AttentionBackend):
     name = "xla"
     mixed_calls = True          # one decode size per row count, one prefill size per token count
 
-    def __init__(self, packed_prefill: bool = False):
+    def __init__(self, packed_prefill: bool = False, num_layers: int = 0):
         self.packed_prefill = packed_prefill
+        # The pool's layers (0: unknown): the C++ decode kernel tells the GEMMs after it which
+        # pages the next layer reads (cpu_kernels/kv_hints.py), num_blocks further on.
+        self.num_layers = num_layers
         self.prefill_align = 1 if packed_prefill else PREFILL_TILE
         # Aligned calls keep the 1.5x steps, every one a whole number of tiles (40 and 56
         # are not), and the executables of the layout they had before packing.
@@ -47,7 +52,8 @@ class WorkListBackend(AttentionBackend):
 
     def for_pool(self, pool_dtype, model_cfg):
         reason = _prefill_kernel_reason(pool_dtype, model_cfg)
-        return WorkListBackend(packed_prefill=reason is None and jax.default_backend() == "cpu")
+        return WorkListBackend(packed_prefill=reason is None and jax.default_backend() == "cpu",
+                               num_layers=model_cfg.num_layers)
 
     def prefill_rows(self, tokens: int) -> int:
         """Rows of the tiled layout attention reads for a call of `tokens` tokens."""
@@ -110,11 +116,19 @@ class WorkListBackend(AttentionBackend):
     def decode_attend(self, meta, scale):
         """meta = (item_slot [J], item_pages [J, PPI], item_first_pos [J], lengths [B])"""
         item_slot, item_pages, item_first_pos, lengths = meta
-        return lambda q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None: (
-            _kernel_or_jnp(paged_decode.why_not, paged_decode.paged_decode_attention,
-                           xla_paged_attention.paged_decode_attention_xla,
-                           (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos,
-                            lengths), scale, scales, window, soft_cap))
+
+        def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
+            kernel = functools.partial(paged_decode.paged_decode_attention,
+                                       next_layer_blocks=self.next_layer_blocks(k_pages))
+            return _kernel_or_jnp(paged_decode.why_not, kernel,
+                                  xla_paged_attention.paged_decode_attention_xla,
+                                  (q, k_pages, v_pages, item_slot, item_pages + off,
+                                   item_first_pos, lengths), scale, scales, window, soft_cap)
+        return attend
+
+    def next_layer_blocks(self, k_pages) -> int:
+        """How far the next layer's blocks lie in the folded pool (0: unknown)."""
+        return k_pages.shape[1] // self.num_layers if self.num_layers else 0
 
     def decode_kernel(self, pool_dtype, model_cfg) -> str:
         reason = paged_decode.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
@@ -144,7 +158,8 @@ class WorkListBackend(AttentionBackend):
         return attend
 
     def __repr__(self) -> str:
-        return f"WorkListBackend({self.name!r}, packed_prefill={self.packed_prefill})"
+        return (f"WorkListBackend({self.name!r}, packed_prefill={self.packed_prefill}, "
+                f"num_layers={self.num_layers})")
 
 
 def _prefill_kernel_reason(pool_dtype, model_cfg) -> str | None:
