@@ -39,9 +39,14 @@ def _hand(lib) -> None:
 
 
 def wire(lib) -> None:
+    """A library built for another queue size would write past the queue: it gets none."""
     if not hasattr(lib, "JaxbatchSetPrefetchQueue"):
         return
     lib.JaxbatchSetPrefetchQueue.argtypes = [ctypes.c_void_p]
+    lib.JaxbatchPrefetchQueueRanges.restype = ctypes.c_int64
+    if lib.JaxbatchPrefetchQueueRanges() != QUEUE_RANGES:
+        lib.JaxbatchSetPrefetchQueue(None)
+        return
     with _LOCK:
         _LIBS.append(lib)
         _hand(lib)

@@ -7,12 +7,14 @@
 // attention then finds them in cache. A request is only a hint (a prefetch never faults, and
 // changes no result), so a stale or foreign entry costs a wasted read, nothing else.
 //
-// One queue per process, shared by every kernel library through JaxbatchSetPrefetchQueue
-// (kv_hints.py calls it on each library as it loads; until then, or with the queue unset,
-// nothing is published or requested). The steps of a model call run one op at a time in
-// dataflow order, so a queue is published by one decode call and drained by the GEMMs after
-// it; entries are written and read with atomic accesses all the same, since engines in other
-// threads share it.
+// One queue per process, shared by the libraries that publish or request hints (paged_decode,
+// packed_gemm) through JaxbatchSetPrefetchQueue: kv_hints.py hands it to each as it loads,
+// after checking that it was built for the same queue size (JaxbatchPrefetchQueueRanges);
+// until then, or with the queue unset, nothing is published or requested. Within a model
+// call the GEMMs between two layers' attention depend on the first one's output and feed the
+// second, so a queue is published by one decode call and drained by the GEMMs after it.
+// Entries are written and read with atomic accesses all the same: engines in other threads,
+// or tensor-parallel shards, share the queue, and at worst aim a request at the wrong line.
 #pragma once
 
 #include <immintrin.h>
@@ -94,10 +96,15 @@ struct Feed {
 
 }  // namespace jaxbatch_prefetch
 
-// Every kernel library defines its setter with this (kv_hints.py looks it up by name).
+// Each library that publishes or requests hints defines these with this macro (kv_hints.py
+// looks them up by name).
 #define JAXBATCH_DEFINE_PREFETCH_SETTER                                                \
   extern "C" __attribute__((visibility("default"))) void JaxbatchSetPrefetchQueue(      \
       void* queue) {                                                                   \
     __atomic_store_n(&jaxbatch_prefetch::Shared(),                                     \
                      static_cast<jaxbatch_prefetch::Queue*>(queue), __ATOMIC_RELEASE); \
+  }                                                                                    \
+  extern "C" __attribute__((visibility("default"))) int64_t                            \
+  JaxbatchPrefetchQueueRanges() {                                                      \
+    return jaxbatch_prefetch::kMaxRanges;                                              \
   }

@@ -259,13 +259,15 @@ struct Job {
 // The pages each row will read at the next layer, `next_layer_blocks` block ids further on in
 // the folded pool, for the GEMMs in between to request (kv_prefetch.h). Past the last layer
 // the ids leave the pool, and with next_layer_blocks 0 (not known) there is no next layer:
-// then the queue is emptied, so that no GEMM requests what an earlier call published.
+// then the queue is emptied, so that no GEMM requests what an earlier call published. The
+// pages are those this layer's window sees: in a model mixing windows a global layer after
+// a local one gets its recent pages requested only (the hint is partial, never wrong).
 template <typename T>
 void PublishNextLayer(const Problem<T>& p, int64_t next_layer_blocks) {
   const int64_t bs = p.block_size, D = p.head_dim, bytes = bs * D * sizeof(T);
   jaxbatch_prefetch::Publish([&](jaxbatch_prefetch::Range* ranges, int64_t max) {
     int64_t n = 0;
-    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0; ++row) {
+    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0 && n < max; ++row) {
       const int64_t length = p.lengths[row], end_item = p.first_item[row] + p.item_count[row];
       const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
       for (int64_t it = p.first_item[row]; it < end_item; ++it)

@@ -10,11 +10,11 @@ engine, no overlap); prefill: one chunk of a second request (the first compiled 
 Each op's time is the sum of its trace events over the traced steps, divided by the steps;
 the tracer adds its own cost, so compare ops within one run, not against an untraced step.
 An op's class says what it is for: `dot` (an XNNPACK / ynn fusion: matmuls and attention's
-batched dots), `gemm kernel` / `decode kernel` / `prefill kernel` (our CPU kernels' custom calls),
-`switched dot` (a `lax.switch` picking one layer's matrix on CPU, timed as one event with the
-dot or GEMM call inside it), `weight copy` (a slice of a stacked layer matrix copied out
-before its dot), `gather` (KV pages), `loop` (the attention's while loop, wrapping the ops
-inside it), `other`.
+batched dots), `gemm kernel` / `decode kernel` / `prefill kernel` / `norm kernel` (our CPU
+kernels' custom calls), `switched dot` (a `lax.switch` picking one layer's matrix on CPU,
+timed as one event with the dot or GEMM call inside it), `weight copy` (a slice of a stacked
+layer matrix copied out before its dot), `gather` (KV pages), `loop` (the attention's while
+loop, wrapping the ops inside it), `other`.
 """
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ def op_class(name: str, shape: str, opcode: str, weight_shapes: set[str]) -> str
         return "decode kernel"
     if "jaxbatch_paged_prefill" in opcode:
         return "prefill kernel"
+    if "jaxbatch_add_rms_norm" in opcode:
+        return "norm kernel"
     if opcode == "while" or name.startswith("while"):
         return "loop"
     if opcode == "conditional" or name.startswith("cond."):

@@ -54,8 +54,8 @@ import numpy as np
 
 from jaxbatch.model import fused, precision, storage
 from jaxbatch.model.config import NO_WINDOW, ModelConfig
-from jaxbatch.model.layers import (AttendFn, _dense, attention_block, mlp_block, moe_block,
-                                   rms_norm, unsharded)
+from jaxbatch.model.layers import (AttendFn, _dense, add_rms_norm, attention_block, mlp_block,
+                                   moe_block, rms_norm, unsharded)
 from jaxbatch.model.quantize import is_quantized
 from jaxbatch.model.rope import rope_tables
 
@@ -155,22 +155,27 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
                                  dtype=jnp.float32)                            # [T, S]
         lora_xs = {name: (lora["A"][name], lora["B"][name]) for name in lora["A"]}
 
+    # Each residual add meets the norm after it in one `add_rms_norm`: the scan carries the
+    # last layer's MLP output beside the residual stream (zeros into the first layer), and
+    # the final norm adds the last one.
+    kernel = _norms_on_cpu_kernel(per_layer)
+
     def one_layer(carry, xs):
-        x, pool = carry
+        x, h, pool = carry
         layer, data, index, lora_layer = xs
         layer = {**layer, **per_layer,
                  **{f"lora_{name}": (a, b, one_hot) for name, (a, b) in lora_layer.items()}}
-        h, pool = attention_block(
-            layer, cfg, rms_norm(x, layer["attn_norm"], eps, offset),
-            layer_rope(data), slot_mapping, pool, index, index * blocks_per_layer,
-            attend, data.get("window"), per_shard)
+        x, normed = add_rms_norm(x, h, layer["attn_norm"], eps, offset, kernel)
+        h, pool = attention_block(layer, cfg, normed, layer_rope(data), slot_mapping, pool,
+                                  index, index * blocks_per_layer, attend, data.get("window"),
+                                  per_shard)
         if cfg.sandwich_norm:
             h = rms_norm(h, layer["post_attn_norm"], eps, offset)
-        x = x + h
-        h = ffn(layer, cfg, rms_norm(x, layer["mlp_norm"], eps, offset), index)
+        x, normed = add_rms_norm(x, h, layer["mlp_norm"], eps, offset, kernel)
+        h = ffn(layer, cfg, normed, index)
         if cfg.sandwich_norm:
             h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
-        return (x + h, pool), None
+        return (x, h, pool), None
 
     per_layer_data, rope = _per_layer_data(cfg, inv_freq, positions)
 
@@ -182,8 +187,14 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
 
     xs = (stacked, per_layer_data,
           jnp.arange(num_layers, dtype=jnp.int32), lora_xs)
-    (x, pool), _ = jax.lax.scan(one_layer, (x, tuple(kv_pool)), xs)
-    return rms_norm(x, params["final_norm"], eps, offset), pool
+    (x, h, pool), _ = jax.lax.scan(one_layer, (x, jnp.zeros_like(x), tuple(kv_pool)), xs)
+    return add_rms_norm(x, h, params["final_norm"], eps, offset, kernel)[1], pool
+
+
+def _norms_on_cpu_kernel(per_layer: dict) -> bool:
+    """Whether the norms may take the CPU kernel (`layers.add_rms_norm`): where the matrices
+    take our packed GEMM (a CPU, one device), as the step's other kernels do."""
+    return any(precision.is_packed(w[0]) for w in per_layer.values())
 
 
 def compute_logits(params, hidden, cfg: ModelConfig | None = None):

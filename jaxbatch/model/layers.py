@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import add_rms_norm as cpu_add_rms_norm
 from cpu_kernels import packed_gemm
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
@@ -79,6 +80,28 @@ def rms_norm(x, weight, eps, offset: float = 0.0):
     mean_square = ordered_sum(x32 * x32, keepdims=True) / x.shape[-1]           # batch-invariant
     normed = x32 * jnp.reciprocal(jnp.sqrt(mean_square + eps))
     return (normed * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
+
+
+def add_rms_norm(x, h, weight, eps, offset: float = 0.0, kernel: bool = False):
+    """(x + h, rms_norm(x + h)): a residual add and the norm after it. Narrower than float32
+    (bf16), the sum is rounded to its dtype before the norm, as Hugging Face's forward rounds
+    it: XLA would fuse the add into the norm's float32 math and skip that rounding. `kernel`:
+    where it runs (bf16, `cpu_kernels.add_rms_norm`), one CPU kernel call for both; it rounds
+    as this does, but takes the IEEE square root and division where XLA:CPU takes its own
+    approximations (so a normed value may differ by a bf16 step); other platforms lower the
+    same call to the jnp form."""
+    def two_steps(x, h, weight):
+        total = x + h
+        if total.dtype != jnp.float32:
+            info = jnp.finfo(total.dtype)
+            rounded = jax.lax.reduce_precision(x.astype(jnp.float32) + h.astype(jnp.float32),
+                                               exponent_bits=info.nexp, mantissa_bits=info.nmant)
+            return total, rms_norm(rounded, weight, eps, offset).astype(total.dtype)
+        return total, rms_norm(total, weight, eps, offset)
+    if not (kernel and x.dtype == jnp.bfloat16 and cpu_add_rms_norm.unavailable_reason() is None):
+        return two_steps(x, h, weight)
+    fused = lambda x, h, w: tuple(cpu_add_rms_norm.add_rms_norm(x, h, w, eps, offset))
+    return jax.lax.platform_dependent(x, h, weight, cpu=fused, default=two_steps)
 
 
 def activation(gate, kind: str):
