@@ -30,6 +30,10 @@ struct Range {        // one page of one kv head: its key lines and its value li
 };
 
 constexpr int64_t kMaxRanges = int64_t{1} << 15;   // kv_hints.QUEUE_RANGES
+// Key and value bytes one publication names at most: about what L2 and this machine's share
+// of L3 keep until the next layer's attention (at 64 rows of 256 tokens a layer reads 12 MB,
+// and requesting all of it ran slower than requesting none).
+constexpr int64_t kMaxBytes = int64_t{4} << 20;
 
 struct Queue {
   int64_t size;   // ranges published

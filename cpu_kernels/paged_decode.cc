@@ -261,13 +261,16 @@ struct Job {
 // the ids leave the pool, and with next_layer_blocks 0 (not known) there is no next layer:
 // then the queue is emptied, so that no GEMM requests what an earlier call published. The
 // pages are those this layer's window sees: in a model mixing windows a global layer after
-// a local one gets its recent pages requested only (the hint is partial, never wrong).
+// a local one gets its recent pages requested only (the hint is partial, never wrong). At
+// most kMaxBytes are published, the first rows' pages (units run in row order): requested
+// further ahead than the caches hold, lines would be evicted before their use.
 template <typename T>
 void PublishNextLayer(const Problem<T>& p, int64_t next_layer_blocks) {
   const int64_t bs = p.block_size, D = p.head_dim, bytes = bs * D * sizeof(T);
   jaxbatch_prefetch::Publish([&](jaxbatch_prefetch::Range* ranges, int64_t max) {
+    const int64_t cap = std::min<int64_t>(max, jaxbatch_prefetch::kMaxBytes / (2 * bytes));
     int64_t n = 0;
-    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0 && n < max; ++row) {
+    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0 && n < cap; ++row) {
       const int64_t length = p.lengths[row], end_item = p.first_item[row] + p.item_count[row];
       const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
       for (int64_t it = p.first_item[row]; it < end_item; ++it)
@@ -276,7 +279,7 @@ void PublishNextLayer(const Problem<T>& p, int64_t next_layer_blocks) {
           if (page_pos >= length) break;
           const int64_t page = p.item_pages[it * p.pages_per_item + j] + next_layer_blocks;
           if (page < 0 || page >= p.num_pages || page_pos + bs <= lo) continue;
-          for (int64_t g = 0; g < p.kv_heads && n < max; ++g) {
+          for (int64_t g = 0; g < p.kv_heads && n < cap; ++g) {
             const int64_t at = (g * p.num_pages + page) * bs * D;
             jaxbatch_prefetch::Store(ranges[n++], reinterpret_cast<const char*>(p.k + at),
                                      reinterpret_cast<const char*>(p.v + at), bytes);

@@ -130,3 +130,23 @@ def test_the_xla_backend_passes_the_distance_to_the_next_layer():
     assert f"next_layer_blocks = {BLOCKS}" in hlo, hlo[-2000:]
     # a backend that does not know the pool's layers publishes nothing
     assert WorkListBackend().next_layer_blocks(k) == 0
+
+
+def test_a_publication_stops_at_its_byte_cap():
+    """kv_prefetch.h's kMaxBytes (4 MB): the first rows' pages, in the order they are read."""
+    rows, pages, blocks = 64, 20, 64 * 20 + 1
+    lengths = np.full(rows, pages * BS, np.int32)
+    tables = {r: list(range(1 + r * pages, 1 + (r + 1) * pages)) for r in range(rows)}
+    items = decode_work_items([(r, t, int(lengths[r])) for r, t in tables.items()], rows, BS,
+                              rows * pages // 2, 2)
+    k = jnp.zeros((KVH, 2 * blocks, BS, D), jnp.uint16)
+    v = jnp.zeros_like(k)
+    q = jnp.zeros((rows, HEADS, D), jnp.bfloat16)
+    fn = jax.jit(lambda *a: paged_decode.paged_decode_attention(*a, next_layer_blocks=blocks))
+    jax.block_until_ready(fn(q, k, v, *(jnp.asarray(a) for a in items), jnp.asarray(lengths)))
+    page_bytes = BS * D * 2
+    published = kv_hints.published()
+    assert len(published) == (4 << 20) // (2 * page_bytes) < rows * pages * KVH
+    first = [(k.unsafe_buffer_pointer() + (g * 2 * blocks + blocks + b) * page_bytes)
+             for r in range(rows) for b in tables[r] for g in range(KVH)][:len(published)]
+    assert [p[0] for p in published] == first
