@@ -107,12 +107,8 @@ void Row(const Problem& p, int64_t r, std::vector<__m512>& chunks) {
   }
 }
 
-struct Job {
+struct Job : jaxbatch_pool::JobCounters {
   Problem p;
-  int64_t units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   void Work() {
     std::vector<__m512> chunks;

@@ -266,12 +266,8 @@ void RunUnit(const Problem<T>& p, int64_t unit, int64_t next_unit, bool cold,
 }
 
 template <typename T>
-struct Job {
+struct Job : jaxbatch_pool::JobCounters {
   Problem<T> p;
-  int64_t units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   // A thread claims its next unit before it starts the current one, so that it can prefetch
   // the next panel while it computes.

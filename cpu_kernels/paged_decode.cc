@@ -219,13 +219,9 @@ void RunUnit(const Problem<T>& p, Args&&... args) {
 }
 
 template <typename T>
-struct Job {
+struct Job : jaxbatch_pool::JobCounters {
   Problem<T> p;
-  int64_t units;
   int64_t workers;  // the calling thread and its helpers
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   void Work() {
     std::vector<Span<T>> spans, after_spans;

@@ -255,12 +255,8 @@ void Unit(const Problem& p, int64_t n, int64_t g) {
     RowBlock(p, n, g, r0, std::min<int64_t>(kLanes, rows - r0), b);
 }
 
-struct Job {
+struct Job : jaxbatch_pool::JobCounters {
   Problem p;
-  int64_t units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  ffi::CountDownPromise finished;   // pool_dispatch.h
 
   void Work() {
     for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;

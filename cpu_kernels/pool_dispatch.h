@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <pthread.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -46,9 +47,18 @@ inline ffi::Future Ready(ffi::Error error = ffi::Error::Success()) {
   return ffi::Future(promise);
 }
 
+// What every kernel's job carries besides its problem and Work(): `units` of work, claimed
+// through `next`; `done` counts those finished; `finished` is Run's promise.
+struct JobCounters {
+  int64_t units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  ffi::CountDownPromise finished;
+};
+
 // Runs job->Work() until every one of job->units is done (job->done counts them), on the
-// calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job:
-// Work(), units, done, and a CountDownPromise `finished`.
+// calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job: a
+// JobCounters with Work().
 template <typename Job>
 ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers) {
   if (helpers > 0 && !OnPoolThread()) {
