@@ -12,8 +12,9 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
                    (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
                    packs the weights); silu_mul, the MLP's silu(gate) * up as its epilogue
-    add_rms_norm   a residual add and the RMSNorm after it, bf16 (reference: the two jnp
-                   steps of jaxbatch.model.layers.add_rms_norm, bit for bit)
+    add_rms_norm   a residual add and the RMSNorm after it, bf16 (reference: the jnp form of
+                   jaxbatch.model.layers.add_rms_norm; the same sums, norms within a bf16
+                   step: IEEE sqrt and division where XLA:CPU approximates)
 
 attention_simd.h holds the SIMD pieces the kernels share; decode_elems.h decode attention's
 q.K and p.V per pool element type (a bf16 pool's keys are grouped: pallas_kernels/reference.py,

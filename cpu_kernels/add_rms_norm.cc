@@ -26,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention_simd.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,6 +42,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxbatch_simd::FirstLanes;
+using jaxbatch_simd::RoundBf16;
+
 constexpr int64_t kRowsPerUnit = 8;
 constexpr int64_t kMinParallelRows = 64;
 
@@ -51,12 +55,6 @@ inline __m512 LoadBf16(const uint16_t* p, __mmask16 m) {
 
 inline void StoreBf16(uint16_t* p, __m512 f, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(f));
-}
-
-// bf16 of float32 `f` as float32: the round trip XLA's converts make.
-inline __m512 RoundBf16(__m512 f) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16));
 }
 
 struct Problem {
@@ -76,8 +74,7 @@ void Row(const Problem& p, int64_t r, std::vector<__m512>& chunks) {
   uint16_t* sum = p.sum + r * d;
   chunks.resize(n + 1);
   for (int64_t c = 0; c < n; ++c) {
-    const int64_t left = d - c * 16;
-    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m = FirstLanes(d - c * 16);
     const __m512 s = RoundBf16(_mm512_add_ps(LoadBf16(x + c * 16, m), LoadBf16(h + c * 16, m)));
     StoreBf16(sum + c * 16, s, m);
     chunks[c] = _mm512_mul_ps(s, s);    // masked-off lanes load as 0: the tree's zero padding
@@ -99,8 +96,7 @@ void Row(const Problem& p, int64_t r, std::vector<__m512>& chunks) {
   const __m512 offset = _mm512_set1_ps(p.offset);
   uint16_t* out = p.normed + r * d;
   for (int64_t c = 0; c < n; ++c) {
-    const int64_t left = d - c * 16;
-    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m = FirstLanes(d - c * 16);
     const __m512 s = LoadBf16(sum + c * 16, m);
     const __m512 w = _mm512_add_ps(_mm512_maskz_loadu_ps(m, p.w + c * 16), offset);
     StoreBf16(out + c * 16, _mm512_mul_ps(_mm512_mul_ps(s, inv), w), m);

@@ -1,5 +1,6 @@
-"""The residual add and the RMSNorm after it, for bf16 activations on CPU (`add_rms_norm.cc`),
-bit for bit `jaxbatch.model.layers.add_rms_norm`'s jnp form, its reference.
+"""The residual add and the RMSNorm after it, for bf16 activations on CPU (`add_rms_norm.cc`).
+Its reference is `jaxbatch.model.layers.add_rms_norm`'s jnp form: the same sums, and norms
+within a bf16 step (the kernel takes IEEE sqrt and division where XLA:CPU approximates).
 
     unavailable_reason()    None where the kernel runs on this machine, else why not
     add_rms_norm(x, h, weight, eps, offset)

@@ -1,4 +1,4 @@
-// SIMD pieces shared by the attention kernels (paged_decode.cc, paged_prefill.cc), for CPUs
+// SIMD pieces shared by the kernels here (attention, the GEMM's epilogues, the norm), for CPUs
 // with AVX512-BF16. build.py hashes this header with each source that includes it.
 #pragma once
 
@@ -50,6 +50,12 @@ inline __m512 Exp(__m512 x) {
 // The first min(n, 16) lanes.
 inline __mmask16 FirstLanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// f rounded to bf16 (nearest even, as XLA's convert rounds), as float32.
+inline __m512 RoundBf16(__m512 f) {
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(f);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // f as bf16 bits, rounded to nearest even (as XLA's convert rounds; NaN stays NaN).

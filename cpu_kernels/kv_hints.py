@@ -48,7 +48,8 @@ def wire(lib) -> None:
         lib.JaxbatchSetPrefetchQueue(None)
         return
     with _LOCK:
-        _LIBS.append(lib)
+        if all(known._handle != lib._handle for known in _LIBS):   # one per library
+            _LIBS.append(lib)
         _hand(lib)
 
 

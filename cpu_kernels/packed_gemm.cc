@@ -48,6 +48,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxbatch_simd::RoundBf16;
+
 constexpr int kRows = 8;     // rows of a register tile
 constexpr int kBlocks = 3;   // 16-column blocks of a register tile (and of a unit of work)
 constexpr int kPrefetchLines = 12;
@@ -110,12 +112,6 @@ struct NextLines {
   const T* panel = nullptr;
   int64_t first = 0, count = 0, every = 1;
 };
-
-// f rounded to bf16 (nearest even), as float32.
-inline __m512 RoundBf16(__m512 f) {
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(f);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // 16 outputs of silu(gate) * up from float32 accumulators, as `layers.activation` and the
 // multiply after it compute them on bf16 gate and up: g = bf16(gate), u = bf16(up),

@@ -264,9 +264,10 @@ template <typename T>
 void PublishNextLayer(const Problem<T>& p, int64_t next_layer_blocks) {
   const int64_t bs = p.block_size, D = p.head_dim, bytes = bs * D * sizeof(T);
   jaxbatch_prefetch::Publish([&](jaxbatch_prefetch::Range* ranges, int64_t max) {
-    const int64_t cap = std::min<int64_t>(max, jaxbatch_prefetch::kMaxBytes / (2 * bytes));
     int64_t n = 0;
-    for (int64_t row = 0; row < p.batch && next_layer_blocks > 0 && n < cap; ++row) {
+    if (next_layer_blocks <= 0) return n;
+    const int64_t cap = std::min<int64_t>(max, jaxbatch_prefetch::kMaxBytes / (2 * bytes));
+    for (int64_t row = 0; row < p.batch && n < cap; ++row) {
       const int64_t length = p.lengths[row], end_item = p.first_item[row] + p.item_count[row];
       const int64_t lo = std::max<int64_t>(0, length - static_cast<int64_t>(p.window));
       for (int64_t it = p.first_item[row]; it < end_item; ++it)

@@ -91,13 +91,13 @@ def add_rms_norm(x, h, weight, eps, offset: float = 0.0, kernel: bool = False):
     approximations (so a normed value may differ by a bf16 step); other platforms lower the
     same call to the jnp form."""
     def two_steps(x, h, weight):
-        total = x + h
-        if total.dtype != jnp.float32:
-            info = jnp.finfo(total.dtype)
-            rounded = jax.lax.reduce_precision(x.astype(jnp.float32) + h.astype(jnp.float32),
-                                               exponent_bits=info.nexp, mantissa_bits=info.nmant)
-            return total, rms_norm(rounded, weight, eps, offset).astype(total.dtype)
-        return total, rms_norm(total, weight, eps, offset)
+        if x.dtype == jnp.float32:
+            total = x + h
+            return total, rms_norm(total, weight, eps, offset)
+        info = jnp.finfo(x.dtype)
+        total = jax.lax.reduce_precision(x.astype(jnp.float32) + h.astype(jnp.float32),
+                                         exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return total.astype(x.dtype), rms_norm(total, weight, eps, offset).astype(x.dtype)
     if not (kernel and x.dtype == jnp.bfloat16 and cpu_add_rms_norm.unavailable_reason() is None):
         return two_steps(x, h, weight)
     fused = lambda x, h, w: tuple(cpu_add_rms_norm.add_rms_norm(x, h, w, eps, offset))
