@@ -23,13 +23,18 @@
 // depend on M, on its place in the batch, or on how the work is split. Units of work (3 column
 // blocks, or for silu * up a gate block and its up block; every row) are claimed through an
 // atomic counter by the calling thread and helpers on XLA's intra-op thread pool
-// (pool_dispatch.h); each panel of the weight is read from memory once per call. With
-// more than one row tile the memory traffic would come in bursts (the first tile of a panel
-// waits on memory, the others compute from cache), so a thread claims its next unit ahead and
-// its later tiles prefetch that unit's panel while they compute. A tile that computes from
-// cache while the next one streams also requests the KV pages the next layer's decode
-// attention will read, as decode attention published them (kv_prefetch.h): arithmetic here,
-// memory there, at the same time.
+// (pool_dispatch.h); each panel of the weight is read from memory once per call. A thread
+// claims its next unit before it starts the current one and requests that unit's panel into
+// L2 a line at a time while it computes the current one from L2, so memory streams all along,
+// not in bursts at each panel's start (a thread's first unit, with nothing prefetched,
+// streams its own panel). A lone row tile (up to 8 rows) requests the whole next panel, and
+// keeps more lines in flight than it would waiting on its own; with several, all but the
+// first share it, and the first, bound by arithmetic, requests the KV pages the next layer's
+// decode attention will read, as decode attention published them (kv_prefetch.h):
+// arithmetic here, memory there, at the same time.
+//
+// Rows past `rows` (an operand: the call's padding, which a fixed-shape step carries after
+// its real tokens) are not computed; their outputs are zero.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -98,15 +103,15 @@ struct Problem {
   int64_t block_elems() const { return steps() * (64 / sizeof(T)); }
 };
 
-// Where a row tile prefetches: kOwn, its own panel a few lines ahead (the panel's first tile
-// when it is the only one, then on into `next`'s first lines, so the next unit starts warm);
-// kNext, the panel of the unit the thread does next, into L2, spread over the panel's later
-// tiles, so that the next first tile computes from cache while memory is busy all along
-// instead of during first tiles alone.
-enum class Prefetch { kNone, kOwn, kNext };
+// What a row tile requests while it computes, flags of its template (a tile's inner loop
+// holds only the requests it makes: every one costs registers there): kOwn, its own panel's
+// lines a few steps ahead into L1 (the first tile of a thread's first unit, which nothing
+// prefetched); kNext, its share of the next unit's panel into L2 (`NextLines`); kKv,
+// published KV lines (kv_prefetch.h), a key and a value line every kKvEvery steps.
+constexpr int kOwn = 1, kNext = 2, kKv = 4;
 
-// Prefetch of the next panel's steps [first, first + count), one step (NB lines) every `every`
-// steps of this tile.
+// kNext's lines: the next panel's steps [first, first + count), one step (NB lines) every
+// `every` steps of the tile.
 template <typename T>
 struct NextLines {
   const T* panel = nullptr;
@@ -127,7 +132,7 @@ inline void SiluMulStore(__m512 gate, __m512 up, uint16_t* y) {
 }
 
 // y[r, 16 b .. 16 (b + NB)) for rows r0 .. r0 + MR, blocks b .. b + NB.
-template <typename T, int MR, int NB, Prefetch kPrefetch>
+template <typename T, int MR, int NB, int kFlags>
 void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
           jaxbatch_prefetch::Feed& feed) {
   constexpr int64_t kLine = 64 / sizeof(T);
@@ -139,15 +144,12 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t countdown = next.every, q = next.first;
   const int64_t q_end = next.first + next.count;
-  // A tile computing from cache (kNone: the panel was prefetched by the unit before) requests
-  // published KV lines (kv_prefetch.h), a key and a value line every kKvEvery steps; tiles
-  // that stream their own panel leave memory to it.
   const char* kv_lines[kMaxKvLines];
-  const int64_t kv_count = kPrefetch != Prefetch::kNone ? 0 :
+  const int64_t kv_count = !(kFlags & kKv) ? 0 :
       feed.Fill(kv_lines, std::min<int64_t>(kMaxKvLines, 2 * (steps / kKvEvery)));
   int64_t kv_countdown = kKvEvery, kv_at = 0;
   for (int64_t s = 0; s < steps; ++s) {
-    if (--kv_countdown == 0) {
+    if ((kFlags & kKv) && --kv_countdown == 0) {
       kv_countdown = kKvEvery;
       if (kv_at < kv_count) {
         _mm_prefetch(kv_lines[kv_at], _MM_HINT_T2);
@@ -155,19 +157,11 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
         kv_at += 2;
       }
     }
-    if (kPrefetch == Prefetch::kOwn) {
-      const int64_t ahead = s + kPrefetchLines;
-      if (ahead < steps)
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w + j * jump + ahead * kLine),
-                       _MM_HINT_T0);
-      else if (next.panel != nullptr)   // the next unit's first lines: it starts warm
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(
-              reinterpret_cast<const char*>(next.panel + j * jump + (ahead - steps) * kLine),
-              _MM_HINT_T0);
-    }
-    if (kPrefetch == Prefetch::kNext && --countdown == 0) {
+    if ((kFlags & kOwn) && s + kPrefetchLines < steps)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * jump + (s + kPrefetchLines) * kLine),
+                     _MM_HINT_T0);
+    if ((kFlags & kNext) && --countdown == 0) {
       countdown = next.every;
       if (q < q_end)
         for (int j = 0; j < NB; ++j)
@@ -199,51 +193,53 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
     }
 }
 
-template <typename T, int NB, Prefetch kPrefetch>
+template <typename T, int NB, int kFlags>
 void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const NextLines<T>& next,
              jaxbatch_prefetch::Feed& feed) {
   switch (rows) {
-    case 1: return Tile<T, 1, NB, kPrefetch>(p, r0, b, next, feed);
-    case 2: return Tile<T, 2, NB, kPrefetch>(p, r0, b, next, feed);
-    case 3: return Tile<T, 3, NB, kPrefetch>(p, r0, b, next, feed);
-    case 4: return Tile<T, 4, NB, kPrefetch>(p, r0, b, next, feed);
-    case 5: return Tile<T, 5, NB, kPrefetch>(p, r0, b, next, feed);
-    case 6: return Tile<T, 6, NB, kPrefetch>(p, r0, b, next, feed);
-    case 7: return Tile<T, 7, NB, kPrefetch>(p, r0, b, next, feed);
-    default: return Tile<T, 8, NB, kPrefetch>(p, r0, b, next, feed);
+    case 1: return Tile<T, 1, NB, kFlags>(p, r0, b, next, feed);
+    case 2: return Tile<T, 2, NB, kFlags>(p, r0, b, next, feed);
+    case 3: return Tile<T, 3, NB, kFlags>(p, r0, b, next, feed);
+    case 4: return Tile<T, 4, NB, kFlags>(p, r0, b, next, feed);
+    case 5: return Tile<T, 5, NB, kFlags>(p, r0, b, next, feed);
+    case 6: return Tile<T, 6, NB, kFlags>(p, r0, b, next, feed);
+    case 7: return Tile<T, 7, NB, kFlags>(p, r0, b, next, feed);
+    default: return Tile<T, 8, NB, kFlags>(p, r0, b, next, feed);
   }
 }
 
-// Every row against blocks b .. b + NB. One row tile streams its panel and prefetches it
-// ahead, on into the first lines of `next_b`'s panel near its end. With several, the first
-// finds the panel in cache, prefetched by the thread's previous unit (`cold`, the thread's
-// first unit: it prefetches its own lines ahead instead), and the others prefetch the panel of
-// `next_b` (-1: none).
+// Every row against blocks b .. b + NB, from L2 where the thread's previous unit prefetched
+// the panel (`cold`, the thread's first unit: its first tile streams the panel, requesting
+// its lines ahead). Each tile requests its share of the panel of `next_b` (-1: none).
 template <typename T, int NB>
 void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold,
            jaxbatch_prefetch::Feed& feed) {
   const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
-  NextLines<T> next;
-  if (tiles == 1) {
-    if (next_b >= 0) next.panel = p.w + next_b * p.block_elems();
-    return RowTile<T, NB, Prefetch::kOwn>(p, 0, p.m, b, next, feed);
-  }
-  const int64_t later = tiles - 1, share = (steps + later - 1) / later;
+  // The tiles that request the next panel: a lone tile itself, else all but the first, which
+  // requests KV lines instead.
+  const int64_t first_next = tiles == 1 ? 0 : 1;
+  const int64_t sharing = tiles - first_next, share = (steps + sharing - 1) / sharing;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, p.m - r0);
-    if (t == 0 && cold) {
-      RowTile<T, NB, Prefetch::kOwn>(p, r0, rows, b, next, feed);
-      continue;
-    }
-    if (t == 0 || next_b < 0) {
-      RowTile<T, NB, Prefetch::kNone>(p, r0, rows, b, next, feed);
+    const bool own = t == 0 && cold;
+    NextLines<T> next;
+    if (next_b < 0 || t < first_next) {
+      if (own)
+        RowTile<T, NB, kOwn>(p, r0, rows, b, next, feed);
+      else if (tiles > 1)
+        RowTile<T, NB, kKv>(p, r0, rows, b, next, feed);
+      else
+        RowTile<T, NB, 0>(p, r0, rows, b, next, feed);
       continue;
     }
     next.panel = p.w + next_b * p.block_elems();
-    next.first = (t - 1) * share;
+    next.first = std::min((t - first_next) * share, steps);
     next.count = std::min<int64_t>(share, steps - next.first);
-    next.every = later;
-    RowTile<T, NB, Prefetch::kNext>(p, r0, rows, b, next, feed);
+    next.every = sharing;
+    if (own)
+      RowTile<T, NB, kOwn | kNext>(p, r0, rows, b, next, feed);
+    else
+      RowTile<T, NB, kNext>(p, r0, rows, b, next, feed);
   }
 }
 
@@ -284,9 +280,10 @@ struct Job : jaxbatch_pool::JobCounters {
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
 // y [M, N]: float32, or bf16 (its bits as uint16) for the bf16 handler of a bf16 model;
-// kSiluMul: y [M, N / 2] bf16, silu(gate) * up.
+// kSiluMul: y [M, N / 2] bf16, silu(gate) * up. rows [1]: rows of x past rows[0] are padding.
 template <typename T, typename X, typename W, typename Y, bool kSiluMul = false>
-ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
+ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32, 1> rows,
+                           ffi::Result<Y> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   constexpr int64_t kLine = 64 / sizeof(T);
   constexpr bool kBf16Out = std::is_same_v<Y, ffi::Buffer<ffi::BF16, 2>>;
@@ -302,9 +299,19 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Result<Y> y) {
                       xd[0], xd[1], wd[0]};
   const int64_t out_blocks = kSiluMul ? wd[0] / 2 : wd[0];
   if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 || wd[1] != xd[1] / Step<T>::kPerStep ||
-      yd[0] != xd[0] || yd[1] != out_blocks * 16 || (kSiluMul && wd[0] % 2 != 0))
-    return jaxbatch_pool::Ready(
-        ffi::Error::InvalidArgument("packed_gemm: x [M, K] and w packed for K, y [M, N]"));
+      yd[0] != xd[0] || yd[1] != out_blocks * 16 || (kSiluMul && wd[0] % 2 != 0) ||
+      rows.element_count() != 1)
+    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument(
+        "packed_gemm: x [M, K] and w packed for K, rows [1], y [M, N]"));
+  // Padding rows: zero, whatever x holds there (a padding row's input may be anything).
+  job->p.m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  const int64_t padding = (xd[0] - job->p.m) * yd[1];
+  if (padding > 0) {
+    if constexpr (kBf16Out)
+      std::memset(y16 + job->p.m * yd[1], 0, padding * sizeof(uint16_t));
+    else
+      std::memset(y32 + job->p.m * yd[1], 0, padding * sizeof(float));
+  }
   if (job->p.m == 0 || job->p.n_blocks == 0) return jaxbatch_pool::Ready();
   job->units = (job->p.n_blocks + kBlocks - 1) / kBlocks;
   if constexpr (kSiluMul) {
@@ -325,6 +332,7 @@ constexpr auto Binding() {
       .Ctx<ffi::ThreadPool>()
       .template Arg<X>()
       .template Arg<W>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
       .template Ret<Y>();
 }
 

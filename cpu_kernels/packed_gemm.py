@@ -10,9 +10,11 @@ output in k order whatever the batch (so a row's result is the same solo or batc
     pack(w [K, N])           -> the packed weight (numpy in, numpy out; bf16 as uint16 bits)
     unpack(packed)           -> w [K, N] (bf16 from bits), for whoever needs the plain matrix
     in_out_shape(packed)     -> (K, N)
-    matmul(x [.., K], packed, out_dtype=float32) -> [.., N] in out_dtype
-    silu_mul(x [.., K], packed [gate | up]) -> [.., N / 2] bf16: silu(x @ gate) * (x @ up),
-                             the MLP's activation as the GEMM's epilogue (bf16 only)
+    matmul(x [.., K], packed, out_dtype=float32, rows=None) -> [.., N] in out_dtype
+    silu_mul(x [.., K], packed [gate | up], rows=None) -> [.., N / 2] bf16: silu(x @ gate) *
+                             (x @ up), the MLP's activation as the GEMM's epilogue (bf16 only)
+    `rows` (an int32 scalar, may be traced): x's rows (flattened) past it are padding, not
+                             computed: their outputs are zero. None: every row is computed.
     silu_mul_why_not(packed) None where `silu_mul` covers this packed weight here
 """
 from __future__ import annotations
@@ -87,7 +89,14 @@ def unpack(packed):
     return w.view(jnp.bfloat16) if xp is np else jax.lax.bitcast_convert_type(w, jnp.bfloat16)
 
 
-def matmul(x, packed, out_dtype=jnp.float32):
+def _rows_operand(rows, m: int):
+    """[1] int32: the rows to compute, of m."""
+    if rows is None:
+        return np.full((1,), m, np.int32)
+    return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
+
+
+def matmul(x, packed, out_dtype=jnp.float32, rows=None):
     """x [.., K] @ the packed [K, N] weight -> [.., N] float32, accumulated in float32 (x cast
     to the weight's dtype). `out_dtype` bf16 with bf16 weights: the kernel rounds the result to
     bf16 itself (as `.astype(bfloat16)` would, without a pass over the float32 result)."""
@@ -104,7 +113,7 @@ def matmul(x, packed, out_dtype=jnp.float32):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(x_dtype)
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), result_dtype))(
-        x2, packed)
+        x2, packed, _rows_operand(rows, x2.shape[0]))
     return y.reshape(*lead, n).astype(out_dtype)
 
 
@@ -117,7 +126,7 @@ def silu_mul_why_not(packed) -> str | None:
     return unavailable_reason()
 
 
-def silu_mul(x, packed):
+def silu_mul(x, packed, rows=None):
     """x [.., K] bf16 @ the packed bf16 [K, 2 I] weight [gate | up] -> [.., I] bf16:
     silu(gate) * up as `jaxbatch.model.layers.activation` computes it on the bf16 gate and up
     (its reference: `matmul(x, packed, bfloat16)` split in two, then that activation times up)."""
@@ -130,5 +139,5 @@ def silu_mul(x, packed):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
     y = jax.ffi.ffi_call(_SILU_MUL[1], jax.ShapeDtypeStruct((x2.shape[0], n // 2), jnp.bfloat16))(
-        x2, packed)
+        x2, packed, _rows_operand(rows, x2.shape[0]))
     return y.reshape(*lead, n // 2)

@@ -123,7 +123,8 @@ def _per_layer_data(cfg: ModelConfig, inv_freq, positions) -> tuple[dict, tuple]
 
 
 def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_mapping,
-                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded, lora=None):
+                   attend: AttendFn, inv_freq, per_shard: Callable = unsharded, lora=None,
+                   rows=None):
     """tokens, positions, slot_mapping: [T] int32 (slots of layer 0's blocks);
     kv_pool = (k_pages, v_pages) [KVH, L * N, bs, Dh], plus (k_scales, v_scales) [KVH, L * N, bs]
     for an int8 pool; inv_freq [R/2] (every layer) or [L, R/2] (`rope.inverse_frequencies`)
@@ -135,13 +136,19 @@ def forward_hidden(params, cfg: ModelConfig, kv_pool, tokens, positions, slot_ma
 
     `lora`: None, or the LoRA adapter pool of a LoRA engine (jaxbatch/lora/pool.py):
     {"slots": [T] int32 (0 = no adapter), "A": {matrix: [L, S, r, in]}, "B": {matrix:
-    [L, S, r, out]}}; scanned beside the weights, each matrix's slice reaches `_matmul`."""
+    [L, S, r, out]}}; scanned beside the weights, each matrix's slice reaches `_matmul`.
+
+    `rows`: None, or an int32 scalar, the tokens before the call's padding (`padding_start`):
+    the packed GEMMs leave the rest out (`precision.with_rows`), and their rows of the result
+    are not to be read."""
     params = stack_layers(params)
     num_layers = num_layers_of(params)
     blocks_per_layer = kv_pool[0].shape[1] // num_layers
     # Stacked arrays are scanned over (sliced per layer); per-layer tuples are closed over
     # whole and picked by index inside each matmul.
     per_layer = {k: v for k, v in params["layers"].items() if isinstance(v, tuple)}
+    if rows is not None:
+        per_layer = precision.with_rows(per_layer, rows)
     stacked = {k: v for k, v in params["layers"].items() if not isinstance(v, tuple)}
     x = params["embed"][tokens]                                               # [T, d]
     if cfg.embed_scale is not None:
@@ -197,10 +204,18 @@ def _norms_on_cpu_kernel(per_layer: dict) -> bool:
     return any(precision.is_packed(w[0]) for w in per_layer.values())
 
 
-def compute_logits(params, hidden, cfg: ModelConfig | None = None):
+def padding_start(slot_mapping):
+    """[T] int32 -> int32 scalar: the call's rows up to its last real one. Padding rows write
+    into a null block's slot 0, where no real token writes, and the runner's layouts put them
+    last (a mixed call's padding decode rows, before its prefill tokens, count as real)."""
+    rows = jnp.arange(1, slot_mapping.shape[0] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(slot_mapping != 0, rows, 0))
+
+
+def compute_logits(params, hidden, cfg: ModelConfig | None = None, rows=None):
     """hidden [N, d] -> float32 logits [N, V], soft-capped where the model says so (Gemma 2;
-    `cfg` None: no cap)."""
-    logits = precision.logits(params, hidden)        # float32, never a transposed copy
+    `cfg` None: no cap). `rows`: as in `forward_hidden`."""
+    logits = precision.logits(params, hidden, rows)  # float32, never a transposed copy
     cap = None if cfg is None else cfg.final_soft_cap
     if cap is not None:
         logits = cap * jnp.tanh(logits / cap)

@@ -182,7 +182,7 @@ def _activated(x, layer, cfg: ModelConfig, index):
             and all(precision.is_packed(p) for p in w)
             and not any(f"lora_{p}" in layer for p in FUSED["w_gate_up"])
             and packed_gemm.silu_mul_why_not(w[0][precision.PACKED]) is None):
-        return _matmul_base(x, w, index, lambda x, w: packed_gemm.silu_mul(x, w[precision.PACKED]))
+        return _matmul_base(x, w, index, precision.silu_mul)
     gate, up = _projections(x, layer, "w_gate_up", 2, index)
     return activation(gate, cfg.hidden_act) * up
 

@@ -8,7 +8,8 @@ itself now lives in `decoder.py` and `layers.py`, shared by every family.
 from __future__ import annotations
 
 from jaxbatch.model.config import windows_from_layer_types
-from jaxbatch.model.decoder import compute_logits, forward_hidden, num_layers_of, stack_layers  # noqa: F401
+from jaxbatch.model.decoder import (compute_logits, forward_hidden, num_layers_of,  # noqa: F401
+                                    padding_start, stack_layers)
 from jaxbatch.model.layers import (AttendFn, _dense, _matmul, rms_norm, unsharded,  # noqa: F401
                                    write_kv_pool)
 from jaxbatch.model.qwen3 import qwen_windows

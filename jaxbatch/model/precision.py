@@ -43,6 +43,9 @@ HALF_DTYPES = ("bfloat16", "float16")
 OUT_IN = "out_in"
 # A matrix packed for `cpu_kernels.packed_gemm`, {PACKED: its packed array} (`storage.py`).
 PACKED = "packed"
+# Beside PACKED, inside one traced call: the int32 count of the call's real rows (`with_rows`);
+# the GEMM computes no row past it.
+ROWS = "rows"
 # The params key of a tied LM head's packed copy (`storage.py`).
 TIED_HEAD = "tied_head"
 
@@ -53,13 +56,26 @@ def dense(x, w):
     stacked layer matrix kept as bf16 bits; {OUT_IN: w [out, in]} a per-layer matrix stored
     transposed (both `to_storage`); {PACKED: ..} one packed for our CPU GEMM kernel."""
     if is_packed(w):
-        return packed_gemm.matmul(x, w[PACKED], out_dtype=x.dtype)
+        return packed_gemm.matmul(x, w[PACKED], out_dtype=x.dtype, rows=w.get(ROWS))
     if is_out_in(w):
         w = w[OUT_IN]
         return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
                                    preferred_element_type=ACCUMULATE).astype(x.dtype)
     w = as_float(w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=ACCUMULATE).astype(x.dtype)
+
+
+def silu_mul(x, w):
+    """`packed_gemm.silu_mul` over a packed [gate | up] matrix."""
+    return packed_gemm.silu_mul(x, w[PACKED], rows=w.get(ROWS))
+
+
+def with_rows(matrices: dict, rows) -> dict:
+    """{name: tuple of per-layer matrices} with each packed one carrying `rows`, the call's
+    tokens before its padding (an int32 scalar, traced): our GEMM leaves the padding rows out
+    (zeros), and a padding row's output is never read. Other forms compute every row."""
+    return {name: tuple({**w, ROWS: rows} if is_packed(w) else w for w in ws)
+            for name, ws in matrices.items()}
 
 
 def is_out_in(w) -> bool:
@@ -155,14 +171,14 @@ def logical_dtype(a) -> str:
     return "bfloat16" if a.dtype == BF16_BITS else jnp.dtype(a.dtype).name
 
 
-def logits(params, hidden):
+def logits(params, hidden, rows=None):
     """hidden [N, d] -> float32 logits [N, V], from `lm_head` [d, V] or the tied `embed` [V, d].
     The tied case contracts the embedding's d axis in place (dot_general), never a transposed
     copy of the [V, d] table. A packed head (`storage.py`: `lm_head`, or `TIED_HEAD` beside a
-    tied embedding) is our kernel's."""
+    tied embedding) is our kernel's; `rows` as in `with_rows`."""
     for key in (TIED_HEAD, "lm_head"):
         if is_packed(params.get(key)):
-            return packed_gemm.matmul(hidden, params[key][PACKED])
+            return packed_gemm.matmul(hidden, params[key][PACKED], rows=rows)
     if "lm_head" in params:
         w = params["lm_head"]
         return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=ACCUMULATE)

@@ -52,9 +52,10 @@ def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slo
     tokens = _decode_tokens(kept_tokens, tokens, token_src)
     # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
     attend = backend.decode_attend(attn_meta, cfg.attention_scale)
+    rows = llama.padding_start(slot_mapping)             # the rows before the padding
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora)      # [B, d]
-    return llama.compute_logits(params, hidden, cfg), pool                      # [B, V]
+                                        attend, inv_freq, per_shard, lora, rows)  # [B, d]
+    return llama.compute_logits(params, hidden, cfg, rows), pool                # [B, V]
 
 
 def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index,
@@ -63,7 +64,8 @@ def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, s
     (jaxbatch/lora/runner.py appends it); without it the traced function is unchanged."""
     attend = backend.prefill_attend(attn_meta, cfg.attention_scale)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora)      # [T, d]
+                                        attend, inv_freq, per_shard, lora,
+                                        llama.padding_start(slot_mapping))      # [T, d]
     last = hidden[sample_index]                                                 # [S, d]
     return llama.compute_logits(params, last, cfg), hidden, pool                # [S, V], [T, d]
 
@@ -81,7 +83,8 @@ def _mixed_forward(params, pool, kept_tokens, d_tokens, token_src, d_positions, 
     attend = attention.mixed_attend(rows, backend.decode_attend(d_meta, cfg.attention_scale),
                                     backend.prefill_attend(p_meta, cfg.attention_scale))
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora)      # [B + T, d]
+                                        attend, inv_freq, per_shard, lora,
+                                        llama.padding_start(slot_mapping))      # [B + T, d]
     prefill_hidden = hidden[rows:]
     # One LM-head matmul for both parts' sampled rows: the head is the largest single weight,
     # and the point of a mixed call is to read each weight once per step.

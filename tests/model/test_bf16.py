@@ -29,7 +29,9 @@ _OPCODE = re.compile(r"%([\w.\-]+) = \S+ ([\w\-]+)\(")
 # What a weight may appear as without being copied: the executable's inputs and views of them.
 _VIEWS = {"parameter", "get-tuple-element", "tuple", "bitcast"}
 _DOT = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
-_GEMM = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* custom-call\(%([\w.\-]+), %([\w.\-]+)\)"
+# x, the packed weight, then the count of rows before the padding
+_GEMM = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* custom-call\("
+                   r"%([\w.\-]+), %([\w.\-]+), %[\w.\-]+\)"
                    r".*custom_call_target=\"jaxbatch_packed_gemm(_bf16_out|_silu_mul)?\"")
 
 

@@ -111,6 +111,26 @@ def test_silu_mul_is_the_activation_of_the_bf16_gemm_bit_for_bit(m, k, i):
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16))
 
 
+@pytest.mark.parametrize("m,rows", [(9, 0), (9, 1), (9, 8), (17, 9), (16, 16), (5, 7), (40, 33)])
+def test_rows_past_the_count_are_zeros_and_the_others_as_computed_whole(m, rows):
+    """`rows`: a call's padding after its real tokens is not computed (zeros), and no real row
+    changes (one row tile or several, every handler); a count past M computes every row."""
+    x, w = _case(m + 7 * rows, m, 576, 96, jnp.bfloat16)
+    x, packed = jnp.asarray(x), jnp.asarray(packed_gemm.pack(w))
+    x32, w32 = _case(rows, m, 96, 48, jnp.float32)
+    x32, packed32 = jnp.asarray(x32), jnp.asarray(packed_gemm.pack(w32))
+    kept = min(rows, m)
+    cases = [(packed_gemm.matmul, x, packed), (packed_gemm.silu_mul, x, packed),
+             (lambda x, w, rows=None: packed_gemm.matmul(x, w, jnp.bfloat16, rows=rows), x, packed),
+             (packed_gemm.matmul, x32, packed32)]
+    for fn, a, b in cases:
+        whole = np.asarray(jax.jit(fn)(a, b))
+        part = np.asarray(jax.jit(lambda a, b, n: fn(a, b, rows=n))(a, b, jnp.int32(rows)))
+        assert part.shape == whole.shape
+        np.testing.assert_array_equal(part[:kept], whole[:kept])
+        assert not part[kept:].any()
+
+
 def test_silu_mul_refuses_what_it_does_not_cover():
     _, w = _case(1, 1, 4, 48, jnp.bfloat16)             # 3 column blocks: no gate/up halves
     assert "column blocks" in packed_gemm.silu_mul_why_not(packed_gemm.pack(w))
@@ -209,3 +229,51 @@ def test_bench_gemm_reports_both_and_their_agreement(tmp_path, capsys):
     assert (result["matrix"], result["rows"], result["in"], result["out"]) == ("wo", 3, 576, 576)
     assert result["xla_ms"] > 0 and result["kernel_ms"] > 0 and result["max_rel_diff"] < 1e-5
     assert "| float32 | wo [576, 576] | 3 |" in (tmp_path / "gemm.md").read_text()
+
+
+def test_every_model_call_tells_its_layer_gemms_where_the_padding_starts(monkeypatch):
+    """The runner's decode, prefill and mixed calls hand each layer GEMM the count of their
+    rows before the padding (`decoder.padding_start`), and a decode call its LM head too; at
+    run time the padding rows of a decode call's logits are zeros (not computed)."""
+    from engines import tiny_engine_in
+    from jaxbatch import SamplingParams
+    from jaxbatch.worker import runner as runner_mod
+    seen = []
+    real_matmul, real_silu_mul = packed_gemm.matmul, packed_gemm.silu_mul
+
+    def matmul(x, packed, out_dtype=jnp.float32, rows=None):
+        # a bf16 model's layers round to bf16; its head's logits stay float32
+        seen.append(("head" if jnp.dtype(out_dtype) == jnp.float32 else "layer",
+                     rows is not None))
+        return real_matmul(x, packed, out_dtype, rows)
+
+    def silu_mul(x, packed, rows=None):
+        seen.append(("layer", rows is not None))
+        return real_silu_mul(x, packed, rows)
+    monkeypatch.setattr(packed_gemm, "matmul", matmul)
+    monkeypatch.setattr(packed_gemm, "silu_mul", silu_mul)
+    engine = tiny_engine_in(jnp.bfloat16, unified_step=True)
+    runner = engine.runner
+    keys = runner.layout.bucket_shapes()
+    for kind in ("decode", "prefill", "mixed"):
+        key = next(k for k in keys if k[0] == kind)
+        seen.clear()
+        runner.executables.lower(key, runner.example_args(key))
+        layers = [given for what, given in seen if what == "layer"]
+        heads = [given for what, given in seen if what == "head"]
+        assert layers and all(layers), (key, seen)
+        assert heads == [kind == "decode"], (key, seen)
+
+    logits_of = {}
+    real_sample = runner_mod.ModelRunner._sample
+
+    def sample(self, call, logits, hidden, bitmask_fn):
+        logits_of[call.key[0]] = (len(call.decode_rows), np.asarray(logits))
+        return real_sample(self, call, logits, hidden, bitmask_fn)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_sample", sample)
+    engine.add_request("one", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    real, logits = logits_of["decode"]
+    assert real == 1 and logits.shape[0] > 1
+    assert logits[:real].any() and not logits[real:].any()

@@ -92,8 +92,8 @@ def test_the_last_layer_and_an_unknown_distance_publish_nothing():
 
 
 def test_a_gemm_after_decode_claims_every_published_page():
-    """GEMM tiles that compute from cache (a second row tile: 16 rows) drain the queue; a
-    single-tile GEMM, streaming its own weights, leaves it alone."""
+    """GEMM tiles bound by arithmetic (the first of two or more row tiles: 16 rows) drain the
+    queue; a single-tile GEMM, bound by its weights' stream, leaves it alone."""
     q, k, v, items, lengths, _ = _case(jnp.bfloat16)
     rng = np.random.default_rng(1)
     w = jnp.asarray(packed_gemm.pack(rng.standard_normal((576, 960)).astype(jnp.bfloat16)))

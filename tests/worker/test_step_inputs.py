@@ -154,3 +154,42 @@ def test_a_unified_step_runs_decode_rows_inside_the_first_prefill_call(cfg, back
         fake = layout.placeholder_call(*real.key)
         shapes = lambda call: [getattr(a, "shape", None) for a in jax.tree.leaves(call.args)]
         assert shapes(real) == shapes(fake)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_starts_after_the_last_real_token_of_every_call(backend):
+    """`decoder.padding_start` of a call's slot mapping (the layout's padding writes into the
+    null block's slot 0, and comes last) is its real rows: a decode call's entries, a prefill
+    call's packed tokens, a mixed call's whole decode bucket and then its prefill tokens; a
+    warm-up placeholder has none. One small jnp op a call: the function the model runs."""
+    import numpy as np
+
+    from jaxbatch.model.decoder import padding_start
+    cfg = CONFIGS[0]
+    layout = StepLayout(cfg, BACKENDS[backend], unified=True)
+
+    def start(slot_mapping):
+        return int(padding_start(np.asarray(slot_mapping)))
+
+    def prefill_tokens(call):
+        return call.q_starts[-1] + len(call.chunks[-1].token_ids)
+    for plan in itertools.islice(_decode_plans(cfg), 0, None, 2):
+        call = layout.decode_call(plan)
+        assert start(call.args[3]) == len(call.decode_rows)
+    for plan in _prefill_plans(cfg, layout.chunks_per_call):
+        for group in layout.pack_prefills(plan.prefills):
+            call = layout.prefill_call(group, plan, {})
+            assert start(call.args[2]) == prefill_tokens(call)
+    mixed = 0
+    for plan in itertools.islice(_mixed_plans(cfg, layout.chunks_per_call), 0, None, 3):
+        for call in layout.model_calls(plan, {}):
+            if call.key[0] == "mixed":
+                decode, prefill = call.parts
+                both = np.concatenate([decode.args[3], prefill.args[2]])
+                assert start(both) == decode.key[1] + prefill_tokens(prefill)
+                mixed += 1
+    assert mixed or not BACKENDS[backend].mixed_calls
+    for key in layout.bucket_shapes():
+        call = layout.placeholder_call(*key)
+        parts = call.parts or (call,)
+        assert all(start(p.args[3] if p.key[0] == "decode" else p.args[2]) == 0 for p in parts)
