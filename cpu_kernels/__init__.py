@@ -15,6 +15,8 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
     add_rms_norm   a residual add and the RMSNorm after it, bf16 (reference: the jnp form of
                    jaxbatch.model.layers.add_rms_norm; the same sums, norms within a bf16
                    step: IEEE sqrt and division where XLA:CPU approximates)
+    first_argmax   each row's first maximum of float32 logits, NaN as +inf, every sampling
+                   path's argmax (reference: jaxbatch.worker.argmax.two_level_argmax; exact)
 
 attention_simd.h holds the SIMD pieces the kernels share; decode_elems.h decode attention's
 q.K and p.V per pool element type (a bf16 pool's keys are grouped: pallas_kernels/reference.py,
@@ -33,9 +35,9 @@ turns the hint channel off (results are the same either way).
 """
 from __future__ import annotations
 
-from cpu_kernels import add_rms_norm, packed_gemm, paged_decode, paged_prefill
+from cpu_kernels import add_rms_norm, first_argmax, packed_gemm, paged_decode, paged_prefill
 
-KERNELS = (paged_decode, paged_prefill, packed_gemm, add_rms_norm)
+KERNELS = (paged_decode, paged_prefill, packed_gemm, add_rms_norm, first_argmax)
 
 
 def register_all() -> tuple:
