@@ -1,11 +1,11 @@
 // The first maximum of each row of float32 logits, NaN counted as +inf, for CPUs with AVX-512:
-// an XLA FFI custom call whose reference is `jaxbatch.worker.argmax.first_argmax`'s jnp form.
+// an XLA FFI custom call whose reference is `jaxbatch.worker.argmax.two_level_argmax`.
 //
 //   JaxbatchFirstArgmax   x [N, V] f32 -> [N] s32
 //
 // XLA:CPU runs the jnp form (a two-level search over chunks of the row) as a few reductions,
-// each its own pass over [N, V / 128, 128] on one thread, about ten times what a pass over
-// the logits costs. Here a row is one pass for its maximum (NaN as +inf) and one up to the
+// each its own pass over [N, V / 128, 128] on one thread. Here a row is one pass for its
+// maximum (NaN as +inf) and one up to the
 // first lane equal to it, 16 lanes at a time; the rows are split over XLA's intra-op threads
 // (pool_dispatch.h). The result is exact: the jnp form's, whatever the batch.
 #include <immintrin.h>

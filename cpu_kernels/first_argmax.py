@@ -1,5 +1,5 @@
 """The first maximum of each row of float32 logits, NaN as +inf, on CPU (`first_argmax.cc`).
-Its reference is `jaxbatch.worker.argmax.first_argmax`'s jnp form; the result is exact.
+Its reference is `jaxbatch.worker.argmax.two_level_argmax`; the result is exact.
 
     unavailable_reason()    None where the kernel runs on this machine, else why not
     first_argmax(x)         x [N, V] float32 -> [N] int32
@@ -24,4 +24,5 @@ def first_argmax(x):
     if x.dtype != jnp.float32 or x.ndim != 2:
         raise ValueError(f"first_argmax: float32 x [N, V] expected, got {x.dtype} {x.shape}")
     availability.require(SOURCE, SYMBOL, TARGET, "first_argmax")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32),
+                            vmap_method="sequential")(x)

@@ -31,7 +31,8 @@
 // keeps more lines in flight than it would waiting on its own; with several, all but the
 // first share it, and the first, bound by arithmetic, requests the KV pages the next layer's
 // decode attention will read, as decode attention published them (kv_prefetch.h):
-// arithmetic here, memory there, at the same time.
+// arithmetic here, memory there, at the same time (a thread's last unit, with no next
+// panel, requests KV lines in every tile).
 //
 // Rows past `rows` (an operand: the call's padding, which a fixed-shape step carries after
 // its real tokens) are not computed; their outputs are zero.
@@ -60,6 +61,10 @@ constexpr int kBlocks = 3;   // 16-column blocks of a register tile (and of a un
 constexpr int kPrefetchLines = 12;
 constexpr int64_t kKvEvery = 2;         // steps of a tile per published KV line pair requested
 constexpr int64_t kMaxKvLines = 1024;   // KV lines one tile requests at most
+// A lone row tile computes from L2 and requests the next panel there only while both fit
+// in half of a 1 MB L2 (smaller parts have 512 KB): past that, streaming its own panel is
+// safer than losing its lines to the next one's.
+constexpr int64_t kLonePanelBytes = int64_t{256} << 10;
 
 // One step of k: bf16 consumes a pair of x values, float32 one.
 template <typename T>
@@ -110,12 +115,12 @@ struct Problem {
 // published KV lines (kv_prefetch.h), a key and a value line every kKvEvery steps.
 constexpr int kOwn = 1, kNext = 2, kKv = 4;
 
-// kNext's lines: the next panel's steps [first, first + count), one step (NB lines) every
-// `every` steps of the tile.
+// kNext's lines: the next panel's steps [first, first + count) of its `blocks` blocks, one
+// step every `every` steps of the tile, from the first.
 template <typename T>
 struct NextLines {
   const T* panel = nullptr;
-  int64_t first = 0, count = 0, every = 1;
+  int64_t first = 0, count = 0, every = 1, blocks = 0;
 };
 
 // 16 outputs of silu(gate) * up from float32 accumulators, as `layers.activation` and the
@@ -142,7 +147,7 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t countdown = next.every, q = next.first;
+  int64_t countdown = 1, q = next.first;
   const int64_t q_end = next.first + next.count;
   const char* kv_lines[kMaxKvLines];
   const int64_t kv_count = !(kFlags & kKv) ? 0 :
@@ -157,16 +162,28 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
         kv_at += 2;
       }
     }
-    if ((kFlags & kOwn) && s + kPrefetchLines < steps)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * jump + (s + kPrefetchLines) * kLine),
-                     _MM_HINT_T0);
+    if (kFlags & kOwn) {
+      // its own lines ahead; past its end, when no kNext brings the next panel, that panel's
+      // first lines (the next unit, from its first tile on, then starts warm)
+      const int64_t ahead = s + kPrefetchLines;
+      if (ahead < steps)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * jump + ahead * kLine),
+                       _MM_HINT_T0);
+      else if (!(kFlags & kNext) && next.panel != nullptr)
+        for (int j = 0; j < NB; ++j)
+          if (j < next.blocks)
+            _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * jump +
+                                                       (ahead - steps) * kLine),
+                         _MM_HINT_T0);
+    }
     if ((kFlags & kNext) && --countdown == 0) {
       countdown = next.every;
       if (q < q_end)
         for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * jump + q * kLine),
-                       _MM_HINT_T1);
+          if (j < next.blocks)
+            _mm_prefetch(reinterpret_cast<const char*>(next.panel + j * jump + q * kLine),
+                         _MM_HINT_T1);
       ++q;
     }
     for (int i = 0; i < MR; ++i) {
@@ -210,19 +227,29 @@ void RowTile(const Problem<T>& p, int64_t r0, int64_t rows, int64_t b, const Nex
 
 // Every row against blocks b .. b + NB, from L2 where the thread's previous unit prefetched
 // the panel (`cold`, the thread's first unit: its first tile streams the panel, requesting
-// its lines ahead). Each tile requests its share of the panel of `next_b` (-1: none).
+// its lines ahead). The panel of `next_b` (-1: none) is requested by a lone tile itself, or
+// shared by every tile but the first, which requests KV lines instead (as every tile of a
+// thread's last unit does). A lone tile whose two panels would crowd L2 streams its own.
 template <typename T, int NB>
 void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold,
            jaxbatch_prefetch::Feed& feed) {
   const int64_t tiles = (p.m + kRows - 1) / kRows, steps = p.steps();
-  // The tiles that request the next panel: a lone tile itself, else all but the first, which
-  // requests KV lines instead.
   const int64_t first_next = tiles == 1 ? 0 : 1;
   const int64_t sharing = tiles - first_next, share = (steps + sharing - 1) / sharing;
+  if (tiles == 1 && NB * steps * 64 > kLonePanelBytes) {
+    NextLines<T> none;
+    return RowTile<T, NB, kOwn>(p, 0, p.m, b, none, feed);
+  }
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = t * kRows, rows = std::min<int64_t>(kRows, p.m - r0);
     const bool own = t == 0 && cold;
     NextLines<T> next;
+    if (next_b >= 0) {
+      next.panel = p.w + next_b * p.block_elems();
+      // a silu * up unit's blocks are a gate and an up block; a plain one has fewer than NB
+      // when it is the last
+      next.blocks = p.silu_mul ? NB : std::min<int64_t>(NB, p.n_blocks - next_b);
+    }
     if (next_b < 0 || t < first_next) {
       if (own)
         RowTile<T, NB, kOwn>(p, r0, rows, b, next, feed);
@@ -232,7 +259,6 @@ void Panel(const Problem<T>& p, int64_t b, int64_t next_b, bool cold,
         RowTile<T, NB, 0>(p, r0, rows, b, next, feed);
       continue;
     }
-    next.panel = p.w + next_b * p.block_elems();
     next.first = std::min((t - first_next) * share, steps);
     next.count = std::min<int64_t>(share, steps - next.first);
     next.every = sharing;

@@ -3,8 +3,9 @@
     jaxbatch bench step-keys "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
 
 Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
-or not the bucket rules list it, and run on warm-up's placeholder inputs (every input padding:
-the arithmetic of a real call of that shape, except attention on the xla backend, whose loop
+or not the bucket rules list it, and run on warm-up's placeholder inputs with every row made
+real (each writes into slot 1 of the null block, so the GEMMs compute every row: the
+arithmetic of a real call of that shape, except attention on the xla backend, whose loop
 over the context in use runs no iteration there), the keys taking turns so that a shared
 machine's load drifts over all of them alike. Reports min and median wall and process CPU
 milliseconds. Keys are listed by `runner.bucket_shapes()`; for xla, ("decode", rows, items)
@@ -46,7 +47,8 @@ def main(argv=None):
                                                   runner.kept_tokens, np.zeros(n, np.int32)))
             runner.kept_tokens = out[-1]
             return out
-        out = exes[key](*runner._model_args(key, runner.layout.placeholder_call(*key).args))
+        args = runner.layout.placeholder_call(*key).args
+        out = exes[key](*runner._model_args(key, _every_row_real(key, args)))
         jax.block_until_ready(out)
         runner.pool = out[-1]
 
@@ -70,6 +72,20 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _every_row_real(key: tuple, args: tuple) -> tuple:
+    """A placeholder call's args with no padding: a call's padding is the rows past its last
+    one writing outside the null block's slot 0 (`decoder.padding_start`), and the GEMMs leave
+    those out."""
+    import numpy as np
+    args = list(args)
+    # the slot mapping: decode (tokens, token_src, positions, slot_mapping, meta), prefill
+    # (tokens, positions, slot_mapping, meta, sample_index), mixed: decode's then prefill's
+    at = {"decode": [3], "prefill": [2], "mixed": [3, 7]}[key[0]]
+    for i in at:
+        args[i] = np.ones_like(args[i])
+    return tuple(args)
 
 
 if __name__ == "__main__":

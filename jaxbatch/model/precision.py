@@ -43,8 +43,8 @@ HALF_DTYPES = ("bfloat16", "float16")
 OUT_IN = "out_in"
 # A matrix packed for `cpu_kernels.packed_gemm`, {PACKED: its packed array} (`storage.py`).
 PACKED = "packed"
-# Beside PACKED, inside one traced call: the int32 count of the call's real rows (`with_rows`);
-# the GEMM computes no row past it.
+# Beside PACKED, inside one traced call: the int32 count of the call's rows up to its last
+# real one (`with_rows`; padding between real rows counts); the GEMM computes no row past it.
 ROWS = "rows"
 # The params key of a tied LM head's packed copy (`storage.py`).
 TIED_HEAD = "tied_head"

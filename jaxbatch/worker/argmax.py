@@ -14,7 +14,8 @@ def first_argmax(x):
     does not beat an earlier +inf). Float32 logits on a CPU where it runs take our kernel
     (`cpu_kernels.first_argmax`, one pass for the maximum and one to its first lane, the rows
     over XLA's threads); elsewhere the jnp form below. Both are exact: the same result."""
-    if x.dtype != jnp.float32 or x.ndim != 2 or cpu_first_argmax.unavailable_reason() is not None:
+    if (x.dtype != jnp.float32 or x.ndim != 2 or jax.default_backend() != "cpu"
+            or cpu_first_argmax.unavailable_reason() is not None):
         return two_level_argmax(x)
     return jax.lax.platform_dependent(x, cpu=cpu_first_argmax.first_argmax,
                                       default=two_level_argmax)

@@ -52,7 +52,7 @@ def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slo
     tokens = _decode_tokens(kept_tokens, tokens, token_src)
     # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
     attend = backend.decode_attend(attn_meta, cfg.attention_scale)
-    rows = llama.padding_start(slot_mapping)             # the rows before the padding
+    rows = llama.padding_start(slot_mapping)
     hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
                                         attend, inv_freq, per_shard, lora, rows)  # [B, d]
     return llama.compute_logits(params, hidden, cfg, rows), pool                # [B, V]

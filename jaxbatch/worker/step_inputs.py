@@ -3,8 +3,9 @@ numpy arrays of each compiled call. No device work happens here.
 
 An engine step makes at most two kinds of model call, or a mixed call holding both:
   decode   one token for each decoding sequence, rows padded to a power of two (at least
-           MIN_DECODE_ROWS, at most next_power_of_two(max_num_seqs)); on a CPU a matmul costs in proportion to its
-           rows, so a half-empty slot array should not pay for the empty half.
+           MIN_DECODE_ROWS, at most next_power_of_two(max_num_seqs)): a half-empty slot array
+           should not pay for the empty half (our CPU GEMMs leave padding rows out,
+           `decoder.padding_start`, but every other op computes them).
            Attention inputs: the xla backend's work items, sized for the longest contexts
            the rows can have (its attention loops over the items in use at run time, so the
            key is rows only); the other backends' block tables, padded to a page bucket.

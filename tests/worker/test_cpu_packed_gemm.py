@@ -34,6 +34,7 @@ SHAPES = [
     # (m, k, n): rows past a register tile of 8, column blocks 1, 2 and 3 in the last unit
     (1, 2, 16), (3, 30, 32), (8, 64, 48), (9, 576, 64), (17, 96, 80), (40, 1536, 576),
     (5, 576, 960),
+    (4, 4096, 112),     # one row tile whose panels would crowd L2: it streams its own
 ]
 
 
@@ -111,15 +112,19 @@ def test_silu_mul_is_the_activation_of_the_bf16_gemm_bit_for_bit(m, k, i):
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16))
 
 
-@pytest.mark.parametrize("m,rows", [(9, 0), (9, 1), (9, 8), (17, 9), (16, 16), (5, 7), (40, 33)])
+@pytest.mark.parametrize("m,rows", [(9, 0), (9, 1), (9, 8), (17, 9), (16, 16), (5, 7), (40, 33),
+                                    (6, -3)])
 def test_rows_past_the_count_are_zeros_and_the_others_as_computed_whole(m, rows):
-    """`rows`: a call's padding after its real tokens is not computed (zeros), and no real row
-    changes (one row tile or several, every handler); a count past M computes every row."""
-    x, w = _case(m + 7 * rows, m, 576, 96, jnp.bfloat16)
+    """`rows`: a call's padding after its real tokens is not computed (zeros, whatever it
+    holds: NaN here), and no real row changes (one row tile or several, every handler); a
+    count past M computes every row, a negative one none."""
+    kept = min(max(rows, 0), m)
+    x, w = _case(m + 7 * abs(rows), m, 576, 96, jnp.bfloat16)
+    x[kept:] = np.nan
     x, packed = jnp.asarray(x), jnp.asarray(packed_gemm.pack(w))
-    x32, w32 = _case(rows, m, 96, 48, jnp.float32)
+    x32, w32 = _case(abs(rows), m, 96, 48, jnp.float32)
+    x32[kept:] = np.nan
     x32, packed32 = jnp.asarray(x32), jnp.asarray(packed_gemm.pack(w32))
-    kept = min(rows, m)
     cases = [(packed_gemm.matmul, x, packed), (packed_gemm.silu_mul, x, packed),
              (lambda x, w, rows=None: packed_gemm.matmul(x, w, jnp.bfloat16, rows=rows), x, packed),
              (packed_gemm.matmul, x32, packed32)]

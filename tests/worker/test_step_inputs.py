@@ -173,7 +173,13 @@ def test_padding_starts_after_the_last_real_token_of_every_call(backend):
 
     def prefill_tokens(call):
         return call.q_starts[-1] + len(call.chunks[-1].token_ids)
-    for plan in itertools.islice(_decode_plans(cfg), 0, None, 2):
+    speculative = []          # two proposed tokens after each sequence's: a row each
+    for n in (1, 2):
+        decodes = [DecodeEntry(i, i, 5, 20, _table(cfg, 23), draft_token_ids=[6, 7])
+                   for i in range(n)]
+        speculative.append(StepPlan(0, [], decodes, {i: _row(i, 20) for i in range(n)},
+                                    {i: [_row(i, 21), _row(i, 22)] for i in range(n)}))
+    for plan in itertools.chain(itertools.islice(_decode_plans(cfg), 0, None, 2), speculative):
         call = layout.decode_call(plan)
         assert start(call.args[3]) == len(call.decode_rows)
     for plan in _prefill_plans(cfg, layout.chunks_per_call):
