@@ -195,7 +195,13 @@ def test_padding_starts_after_the_last_real_token_of_every_call(backend):
                 assert start(both) == decode.key[1] + prefill_tokens(prefill)
                 mixed += 1
     assert mixed or not BACKENDS[backend].mixed_calls
+    from jaxbatch.benchmarks.step_keys import _every_row_real
     for key in layout.bucket_shapes():
         call = layout.placeholder_call(*key)
         parts = call.parts or (call,)
         assert all(start(p.args[3] if p.key[0] == "decode" else p.args[2]) == 0 for p in parts)
+        # `bench step-keys` times placeholders with every row real
+        real = _every_row_real(key, call.args)
+        slots = np.concatenate([real[3], real[7]]) if key[0] == "mixed" else (
+            real[3] if key[0] == "decode" else real[2])
+        assert start(slots) == len(slots)
