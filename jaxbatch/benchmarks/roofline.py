@@ -7,11 +7,20 @@
     decode floor     the larger of (weight bytes + KV bytes the step reads) / copy bandwidth
                      and the step's matmul FLOPs (layers and LM head) / GEMM peak: without
                      AMX a CPU's bf16 dots can be compute-bound at a few dozen rows
+    sequential floor the matmuls' own floor, the larger of weight bytes / copy bandwidth and
+                     their FLOPs / GEMM peak, plus KV bytes / copy bandwidth for attention:
+                     a layer's attention needs its own projections first and feeds the next
+                     matmul, so a step that runs them in order cannot hide the KV read behind
+                     compute-bound matmuls (at least the decode floor)
     prefill floor    matmul FLOPs of the chunk / GEMM peak
 
-Decode: `slots` requests decoding in lockstep (decode_floor's steady engine: no overlap, every
-length inside (ctx/2, ctx]); each `engine.step()` is timed whole. Prefill: one request of
-`--prefill-tokens` tokens, its single step timed (after an untimed one of the same shape).
+Decode: `slots` requests decoding in lockstep (decode_floor's steady engine, every length inside
+(ctx/2, ctx]). `--steps` rounds, each timing one `engine.step()` whole without host/device
+overlap, then a few consecutive steps with it (`async_scheduling`, the engine's default): the
+period at which a running engine decodes, its host work done while the device runs (on a
+machine whose cores all run the device's threads, that host work still takes their time).
+Medians over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed
+(after an untimed one of the same shape).
 
     python -m jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
 """
@@ -102,28 +111,60 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
+# Engine steps per timed round of `decode_rows`: one that reads back the overlapped step still
+# in flight, the timed one without overlap, one that dispatches, and OVERLAPPED_STEPS timed.
+OVERLAPPED_STEPS = 2
+ROUND_STEPS = 3 + OVERLAPPED_STEPS
+
+
 def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak: float) -> dict:
+    """`steps` rounds, each one step timed without overlap and OVERLAPPED_STEPS with it, in
+    one engine: interleaved, so a slow moment of the machine hits both alike."""
     from jaxbatch.benchmarks.decode_floor import steady_decode_engine
-    engine = steady_decode_engine(loaded, rows, ctx, steps, seed=0)
+    engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0)
     engine.step()                                    # every prefill
     engine.step()                                    # first decode: compiles it
-    times, kv = [], []
+    times, periods, kv = [], [], []
     for _ in range(steps):
+        engine.async_scheduling = False
+        engine.step()
         lengths = [s.num_tokens for s in engine.scheduler.running]
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
         kv.append(kv_bytes_read(engine, lengths))
+        periods.append(overlapped_period(engine, rows, OVERLAPPED_STEPS))
     weights = model_bytes(engine.runner.params)
-    bandwidth_floor = (weights + statistics.median(kv)) / bandwidth
+    kv_read = statistics.median(kv)
+    bandwidth_floor = (weights + kv_read) / bandwidth
     compute_floor = decode_flops(engine.model_config, rows) / peak
     floor = max(bandwidth_floor, compute_floor)
-    step = statistics.median(times)
+    sequential = max(weights / bandwidth, compute_floor) + kv_read / bandwidth
+    step, period = statistics.median(times), statistics.median(periods)
     return {"rows": rows, "context": ctx, "step_ms": 1e3 * step, "weight_mb": weights / 1e6,
-            "kv_mb": statistics.median(kv) / 1e6,
+            "kv_mb": kv_read / 1e6, "overlapped_step_ms": 1e3 * period,
             "bandwidth_floor_ms": 1e3 * bandwidth_floor, "compute_floor_ms": 1e3 * compute_floor,
             "bound": "bandwidth" if bandwidth_floor >= compute_floor else "compute",
-            "floor_ms": 1e3 * floor, "step_over_floor": step / floor}
+            "floor_ms": 1e3 * floor, "step_over_floor": step / floor,
+            "overlapped_over_floor": period / floor, "sequential_floor_ms": 1e3 * sequential,
+            "overlapped_over_sequential": period / sequential}
+
+
+def overlapped_period(engine, rows: int, steps: int) -> float:
+    """Seconds per step of `steps` consecutive steps with host/device overlap on: each
+    `step()` dispatches the next step and reads the previous one, so their wall time over
+    `steps` is the period at which a running engine decodes. The first call (dispatch only) is
+    not timed; every timed step must still run all `rows` sequences."""
+    engine.async_scheduling = True
+    engine.step()
+    first = len(engine.step_log)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    period = (time.perf_counter() - start) / steps
+    if any(num_seqs != rows for _, num_seqs, _, _ in engine.step_log[first:]):
+        raise RuntimeError(f"{rows} rows: left steady decode while timing the overlapped steps")
+    return period
 
 
 def prefill_chunk(loaded, tokens: int, peak: float) -> dict:
@@ -153,11 +194,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--context", type=int, default=256, help="a power of two")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="timed rounds per row count")
     ap.add_argument("--prefill-tokens", type=int, default=256)
     add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/roofline")
     args = ap.parse_args(argv)
+    ctx = args.context
+    if ctx & (ctx - 1) or ctx - (ROUND_STEPS * args.steps + 3) <= ctx // 2:
+        ap.error(f"--context {ctx}: a power of two > 2 * ({ROUND_STEPS} * steps + 3), so every "
+                 f"length stays in one page bucket through every timed step")
     loaded = load_bench_model(args)
     dtype = loaded.params["embed"].dtype        # the matmuls' (int8 weights dequantize to it)
     bandwidth, peak = copy_bandwidth(), gemm_peak(dtype)
@@ -169,11 +214,14 @@ def main(argv=None):
     md = "\n\n".join([
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s; "
         f"{loaded.source}, weights {dtype}",
-        table(["decode rows", "context", "step ms", "weights MB", "KV read MB",
-               "bandwidth floor ms", "compute floor ms", "step / floor"],
-              [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['weight_mb']:.0f}",
-                f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
-                f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})"]
+        table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
+               "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
+               "overlapped / floor", "sequential floor ms", "overlapped / sequential"],
+              [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['overlapped_step_ms']:.1f}",
+                f"{d['weight_mb']:.0f}", f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
+                f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})",
+                f"{d['overlapped_over_floor']:.2f}", f"{d['sequential_floor_ms']:.1f}",
+                f"{d['overlapped_over_sequential']:.2f}"]
                for d in decodes]),
         table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
               [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",

@@ -234,6 +234,14 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
     assert dec["floor_ms"] == max(dec["bandwidth_floor_ms"], dec["compute_floor_ms"])
     assert dec["bound"] == ("compute" if dec["compute_floor_ms"] > dec["bandwidth_floor_ms"]
                             else "bandwidth")
+    # in order: the matmuls' own floor, then the KV read at the copy bandwidth
+    bandwidth = report["copy_bandwidth_bytes_s"]
+    weights_ms, kv_ms = (1e9 * dec[k] / bandwidth for k in ("weight_mb", "kv_mb"))
+    assert dec["sequential_floor_ms"] == pytest.approx(
+        max(weights_ms, dec["compute_floor_ms"]) + kv_ms)
+    assert dec["sequential_floor_ms"] >= dec["floor_ms"]
+    assert dec["overlapped_over_floor"] == pytest.approx(
+        dec["overlapped_step_ms"] / dec["floor_ms"])
     assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0
 
 
@@ -246,7 +254,9 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
     monkeypatch.setattr(roofline, "decode_rows", lambda *a: {
         "rows": 4, "context": 64, "step_ms": 1.0, "weight_mb": 1.0, "kv_mb": 1.0,
         "bandwidth_floor_ms": 1.0, "compute_floor_ms": 1.0, "bound": "compute",
-        "floor_ms": 1.0, "step_over_floor": 1.0})
+        "floor_ms": 1.0, "step_over_floor": 1.0, "overlapped_step_ms": 1.0,
+        "overlapped_over_floor": 1.0, "sequential_floor_ms": 1.0,
+        "overlapped_over_sequential": 1.0})
     monkeypatch.setattr(roofline, "prefill_chunk", lambda *a: {
         "tokens": 32, "step_ms": 1.0, "gflop": 1.0, "floor_ms": 1.0, "step_over_floor": 1.0})
     for dtype in ("float32", "bfloat16"):
@@ -290,6 +300,25 @@ def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():
     assert slow["compute_floor_ms"] > slow["bandwidth_floor_ms"]
     fast = roofline.decode_rows(loaded, 4, 64, 2, bandwidth=1e6, peak=1e18)
     assert fast["bound"] == "bandwidth" and fast["floor_ms"] == fast["bandwidth_floor_ms"]
+
+
+def test_roofline_times_the_overlapped_steps_in_steady_decode(monkeypatch):
+    """Steps with and without overlap, interleaved round by round in one engine."""
+    from jaxbatch.benchmarks import roofline
+    from jaxbatch.benchmarks.random_models import random_model
+    from jaxbatch.engine.llm_engine import LLMEngine
+    seen = []
+    real_step = LLMEngine.step
+
+    def step(engine):
+        seen.append(engine.async_scheduling)
+        return real_step(engine)
+    monkeypatch.setattr(LLMEngine, "step", step)
+    result = roofline.decode_rows(random_model("tiny"), 4, 64, 3, bandwidth=1e9, peak=1e9)
+    # prefill, first decode, then per round: a read-back and a timed step without overlap, a
+    # dispatch and the timed steps with it
+    assert seen == [False] * 2 + ([False] * 2 + [True] * (1 + roofline.OVERLAPPED_STEPS)) * 3
+    assert result["overlapped_step_ms"] > 0
 
 
 def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
