@@ -31,13 +31,12 @@ Medians over rounds. Prefill: one request of `--prefill-tokens` tokens, its sing
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import numpy as np
 
-from jaxbatch.benchmarks.machine import machine_info
+from jaxbatch.benchmarks.machine import cpu_count, machine_info
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 
@@ -72,10 +71,11 @@ def read_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
     """Bytes per second of reading a float32 array once: a max over it, split into one part
     per core, each part's `np.max` on its own thread (numpy's loops release the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
-    cores = len(os.sched_getaffinity(0))
-    parts = np.array_split(np.ones(nbytes // 4, np.float32), cores)
+    cores = cpu_count()
+    parts = np.array_split(np.empty(nbytes // 4, np.float32), cores)
     best = float("inf")
     with ThreadPoolExecutor(cores) as pool:
+        list(pool.map(lambda part: part.fill(1.0), parts))   # each part's pages near its reader
         for _ in range(reps):
             start = time.perf_counter()
             list(pool.map(np.max, parts))
@@ -150,9 +150,11 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
         engine.async_scheduling = False
         engine.step()
         lengths = [s.num_tokens for s in engine.scheduler.running]
+        first = len(engine.step_log)
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        check_steady(engine, rows, first, 1)
         kv.append(kv_bytes_read(engine, lengths))
         periods.append(overlapped_period(engine, rows, OVERLAPPED_STEPS))
     weights = model_bytes(engine.runner.params)
@@ -183,9 +185,17 @@ def overlapped_period(engine, rows: int, steps: int) -> float:
     for _ in range(steps):
         engine.step()
     period = (time.perf_counter() - start) / steps
-    if any(num_seqs != rows for _, num_seqs, _, _ in engine.step_log[first:]):
-        raise RuntimeError(f"{rows} rows: left steady decode while timing the overlapped steps")
+    check_steady(engine, rows, first, steps)
     return period
+
+
+def check_steady(engine, rows: int, first: int, steps: int) -> None:
+    """The steps dispatched since step_log[first] were `steps` decode steps of all `rows`
+    sequences: a timed step of fewer rows (or none, its sequences done) would be a smaller
+    step than the one named."""
+    dispatched = engine.step_log[first:]
+    if len(dispatched) != steps or any(num_seqs != rows for _, num_seqs, _, _ in dispatched):
+        raise RuntimeError(f"{rows} rows: left steady decode in a timed step")
 
 
 def prefill_chunk(loaded, tokens: int, peak: float) -> dict:
@@ -221,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/roofline")
     args = ap.parse_args(argv)
     ctx = args.context
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
     if ctx & (ctx - 1) or ctx - (ROUND_STEPS * args.steps + 3) <= ctx // 2:
         ap.error(f"--context {ctx}: a power of two > 2 * ({ROUND_STEPS} * steps + 3), so every "
                  f"length stays in one page bucket through every timed step")

@@ -269,16 +269,15 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
 
 def test_roofline_read_bandwidth_reads_every_byte_once(monkeypatch):
     """One np.max per core over its own part of the array: the parts tile it exactly."""
-    import os
-
     import numpy as np
 
     from jaxbatch.benchmarks import roofline
+    from jaxbatch.benchmarks.machine import cpu_count
     sizes = []
     real_max = np.max
     monkeypatch.setattr(np, "max", lambda a: sizes.append(a.nbytes) or real_max(a))
     assert roofline.read_bandwidth(nbytes=1 << 20, reps=1) > 0
-    assert sum(sizes) == 1 << 20 and len(sizes) == len(os.sched_getaffinity(0))
+    assert sum(sizes) == 1 << 20 and len(sizes) == cpu_count()
 
 
 def test_roofline_gemm_peak_multiplies_in_the_dtype_it_is_given(monkeypatch):
@@ -335,6 +334,25 @@ def test_roofline_times_the_overlapped_steps_in_steady_decode(monkeypatch):
     # dispatch and the timed steps with it
     assert seen == [False] * 2 + ([False] * 2 + [True] * (1 + roofline.OVERLAPPED_STEPS)) * 3
     assert result["overlapped_step_ms"] > 0
+
+
+def test_roofline_refuses_a_timed_step_that_left_steady_decode():
+    """Timing past the requests' last token: the overlapped steps run fewer rows, then none."""
+    from jaxbatch.benchmarks import roofline
+    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
+    from jaxbatch.benchmarks.random_models import random_model
+    engine = steady_decode_engine(random_model("tiny"), 4, 64, 2, seed=0)
+    engine.step()
+    with pytest.raises(RuntimeError, match="left steady decode"):
+        roofline.overlapped_period(engine, 4, 8)
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--context", "96"],
+                                  ["--steps", "20", "--context", "64"]])
+def test_roofline_refuses_steps_that_would_leave_the_page_bucket(argv):
+    from jaxbatch.benchmarks import roofline
+    with pytest.raises(SystemExit):
+        roofline.main(["--random-model", "tiny", "--rows", "4"] + argv)
 
 
 def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
