@@ -30,7 +30,8 @@ from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.openai.errors import APIError
 from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry
 from jaxbatch.entrypoints.openai.preprocess import Preprocessor
-from jaxbatch.entrypoints.openai.streams import SSEResponse, merge, sse, with_cancellation  # noqa: F401
+from jaxbatch.entrypoints.openai.streams import (  # noqa: F401
+    SSEResponse, TextChunks, merge, sse, with_cancellation)
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
 CUT = "the server is shutting down: this request was aborted before it finished"
@@ -232,6 +233,8 @@ class OpenAIServing:
         created, n, k = int(time.time()), req.n, req.top_logprobs or 0
         chunk = lambda choice: P.ChatCompletionChunk(id=rid, created=created,   # noqa: E731
                                                      model=req.model or self.model_name, choices=[choice])
+        text_chunk = TextChunks(lambda i, text: chunk(
+            P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=text))))
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
         tool_streams = [S.ToolStream(tools) for _ in range(n)] if tools else None
         cached, cut = 0, False
@@ -254,11 +257,16 @@ class OpenAIServing:
                             continue
                         message = P.DeltaMessage(**(fields or {}))
                     else:
-                        message = P.DeltaMessage(content=delta or (None if fin else ""))
+                        message = None             # text: a pydantic model only if needed
                     lp = (self._chat_logprobs(c, sent_tok[i], k, req.return_tokens_as_token_ids)
                           if req.logprobs else None)
                     sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
+                    if message is None and lp is None and not fin and c.stop_reason is None:
+                        yield text_chunk(i, delta)   # text only: most chunks of a stream
+                        continue
+                    if message is None:
+                        message = P.DeltaMessage(content=delta or (None if fin else ""))
                     yield sse(chunk(P.ChatStreamChoice(
                         index=i, delta=message, logprobs=lp,
                         finish_reason=wire_reason(finish_reason), stop_reason=c.stop_reason)))
@@ -321,6 +329,9 @@ class OpenAIServing:
 
     async def _completion_stream(self, req, rid, streams, n_prompt, ticket):
         created, total = int(time.time()), len(streams) * req.n
+        text_chunk = TextChunks(lambda i, text: P.CompletionResponse(
+            id=rid, created=created, model=req.model or self.model_name,
+            choices=[P.CompletionChoice(index=i, text=text)]))
         sent_text, sent_tok, done = [""] * total, [0] * total, [False] * total
         cached: dict[int, int] = {}
         cut = False
@@ -339,6 +350,9 @@ class OpenAIServing:
                                                        req.return_tokens_as_token_ids)
                     sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
+                    if lp is None and not fin and c.stop_reason is None:
+                        yield text_chunk(i, delta)   # text only: most chunks of a stream
+                        continue
                     yield sse(P.CompletionResponse(
                         id=rid, created=created, model=req.model or self.model_name,
                         choices=[P.CompletionChoice(index=i, text=delta, logprobs=lp,

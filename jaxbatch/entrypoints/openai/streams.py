@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Callable
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -13,6 +14,34 @@ from jaxbatch.entrypoints.openai import protocol as P
 def sse(model: P._Model | dict) -> str:
     body = model.model_dump_json() if isinstance(model, P._Model) else json.dumps(model)
     return f"data: {body}\n\n"
+
+
+class TextChunks:
+    """SSE lines of stream chunks whose only news is text: the bytes `sse(chunk_of(index,
+    text))` gives, without building and serializing pydantic models per token. A choice
+    index's line is rendered once by pydantic around a marker; the text's JSON string takes
+    the marker's place (both encoders escape exactly `"`, `\\` and the control characters).
+    `chunk_of(index, text)`: the response model of a chunk carrying only that text."""
+    _MARK = "jaxbatch-text-marker"
+
+    def __init__(self, chunk_of: Callable[[int, str], P._Model]):
+        self._chunk_of = chunk_of
+        self._frames: dict[int, tuple[str, str] | None] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        if index not in self._frames:
+            self._frames[index] = self._frame(index)
+        frame = self._frames[index]
+        if frame is None:                  # an id or model name equal to the marker
+            return sse(self._chunk_of(index, text))
+        return frame[0] + json.dumps(text, ensure_ascii=False) + frame[1]
+
+    def _frame(self, index: int) -> tuple[str, str] | None:
+        line, mark = sse(self._chunk_of(index, self._MARK)), json.dumps(self._MARK)
+        if line.count(mark) != 1:
+            return None
+        head, _, tail = line.partition(mark)
+        return head, tail
 
 
 class SSEResponse(StreamingResponse):
