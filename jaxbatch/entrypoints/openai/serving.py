@@ -262,10 +262,10 @@ class OpenAIServing:
                           if req.logprobs else None)
                     sent_text[i], sent_tok[i], done[i] = _text(c, req), len(c.token_ids), fin
                     cut |= c.finish_reason == "abort"
-                    if message is None and lp is None and not fin and c.stop_reason is None:
-                        yield text_chunk(i, delta)   # text only: most chunks of a stream
-                        continue
                     if message is None:
+                        if lp is None and not fin and c.stop_reason is None:
+                            yield text_chunk(i, delta)   # text only: most chunks of a stream
+                            continue
                         message = P.DeltaMessage(content=delta or (None if fin else ""))
                     yield sse(chunk(P.ChatStreamChoice(
                         index=i, delta=message, logprobs=lp,
