@@ -29,6 +29,31 @@ struct Span {
   __mmask16 valid;
 };
 
+// A span's cache lines, requested into L2 a few at a time (`Request`) between the arithmetic
+// of another span: a whole span's lines requested at once stall the core until enough of its
+// few miss buffers free up, where a few per step of the arithmetic keep memory and the core
+// busy together. Key and value lines alternate.
+struct LineFeed {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t left = 0;  // bytes of keys (and as many of values) not yet requested
+
+  template <typename T>
+  void Start(const Span<T>& s, int64_t D) {
+    k = reinterpret_cast<const char*>(s.k);
+    v = reinterpret_cast<const char*>(s.v);
+    left = s.n * D * static_cast<int64_t>(sizeof(T));
+  }
+  // Up to `pairs` key lines and as many value lines.
+  void Request(int64_t pairs) {
+    for (; pairs > 0 && left > 0; --pairs, k += 64, v += 64, left -= 64) {
+      _mm_prefetch(k, _MM_HINT_T2);
+      _mm_prefetch(v, _MM_HINT_T2);
+    }
+  }
+  void Rest() { Request(left / 64 + 1); }
+};
+
 // A pool element type's loads: bf16 bits (uint16_t) or float.
 template <typename T>
 struct Elems;
@@ -41,10 +66,13 @@ struct Elems<uint16_t> {
   // key, one `vdpbf16ps` against q[h]'s broadcast pair adds it to all 16 lanes, and no sum
   // crosses lanes. Lanes past n read zeros. Even and odd pairs go to separate accumulators, so
   // that each head has two chains of dependent dots in flight, not one.
+  // `feed`: another span's lines, requested a few per dim pair step.
   template <int kG>
   static void Scores(const uint16_t* q, const Span<uint16_t>& s, int64_t D, int64_t G_,
-                     __m512* scores) {
+                     __m512* scores, LineFeed& feed) {
     const int64_t G = kG ? kG : G_, n = s.n;
+    // the feed's lines spread over the D / 4 steps of the loop below
+    const int64_t per_step = (feed.left / 64 + D / 4 - 1) / std::max<int64_t>(1, D / 4);
     const __mmask32 km = n >= 16 ? ~0u : static_cast<__mmask32>((1u << (2 * n)) - 1);
     __m512 odd[kMaxGroup];
     for (int64_t h = 0; h < G; ++h) scores[h] = odd[h] = _mm512_setzero_ps();
@@ -52,6 +80,7 @@ struct Elems<uint16_t> {
     for (; c + 2 <= D / 2; c += 2) {
       const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi16(km, s.k + 2 * c * n);
       const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi16(km, s.k + 2 * (c + 1) * n);
+      feed.Request(per_step);
       for (int64_t h = 0; h < G; ++h) {
         scores[h] = _mm512_dpbf16_ps(scores[h], k0, QPair(q + h * D + 2 * c));
         odd[h] = _mm512_dpbf16_ps(odd[h], k1, QPair(q + h * D + 2 * c + 2));
@@ -124,8 +153,9 @@ struct Elems<float> {
   // accumulator per key, summed across its lanes by Reduce16.
   template <int kG>
   static void Scores(const float* q, const Span<float>& s, int64_t D, int64_t G_,
-                     __m512* scores) {
+                     __m512* scores, LineFeed& feed) {
     const int64_t G = kG ? kG : G_;
+    feed.Rest();
     for (int64_t h = 0; h < G; ++h) {
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();

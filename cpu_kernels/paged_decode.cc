@@ -24,8 +24,9 @@
 // row's result depends on its own keys only, in a fixed order, whatever the batch. Units are
 // claimed through an atomic counter by the calling thread and helpers on XLA's intra-op
 // thread pool; while enough are left, each claims its next unit before it runs the current
-// one, and requests spans a few ahead of the one it computes, into the next unit's. Before it
-// starts, a call publishes the pages its rows will read at the next layer (attribute
+// one, and requests spans a few ahead of the one it computes, into the next unit's: a few
+// lines at each step of a span's q.K (decode_elems.h, LineFeed). Before it starts, a call
+// publishes the pages its rows will read at the next layer (attribute
 // `next_layer_blocks`: how far on that layer's blocks lie in the folded pool), for the GEMMs
 // in between to request into cache (kv_prefetch.h).
 #include <immintrin.h>
@@ -86,7 +87,8 @@ void PrefetchSpan(const Span<T>& s, int64_t D) {
 
 // How many spans ahead of its use a span is requested. A row's pages are scattered over the
 // pool, 2-4 KB at a time, too short for the hardware prefetcher; requesting a whole item
-// (32 KB) at once stalled the core, a few spans ahead interleaved with the computing does not.
+// (32 KB) at once stalled the core, and so, less, did a span's lines at once; a few spans
+// ahead, a few lines per step of the arithmetic, keep memory and the core busy together.
 constexpr int64_t kAhead = 6;
 
 // Spans whose scores share one online-softmax update: the maximum, the correction and the
@@ -95,17 +97,22 @@ constexpr int64_t kAhead = 6;
 // list depends on the row's own keys only, so the batch does not change a row's result.
 constexpr int kSpans = 4;
 
-// The online softmax over `ns` spans for each of the G query heads, then p.V.
+// The online softmax over `ns` spans for each of the G query heads, then p.V. ahead[s]: the
+// span whose lines are requested during span s's q.K, or null.
 template <typename T, int kG>
 void SoftmaxSpans(const Problem<T>& p, const T* q, const Span<T>* spans, int ns, int64_t G_,
-                  int64_t width, float* m, float* l, float (*acc)[kMaxHeadDim]) {
+                  int64_t width, float* m, float* l, float (*acc)[kMaxHeadDim],
+                  const Span<T>* const* ahead) {
   using E = Elems<T>;
   const int64_t D = p.head_dim, G = kG ? kG : G_;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 probs[kSpans][kMaxGroup];
   __m512 scores[kSpans][kMaxGroup];
   for (int s = 0; s < ns; ++s) {
-    E::template Scores<kG>(q, spans[s], D, G, scores[s]);
+    jaxbatch_decode::LineFeed feed;
+    if (ahead[s]) feed.Start(*ahead[s], D);
+    E::template Scores<kG>(q, spans[s], D, G, scores[s], feed);
+    feed.Rest();
     for (int64_t h = 0; h < G; ++h)
       scores[s][h] = _mm512_mask_blend_ps(spans[s].valid, neg_inf,
                                           _mm512_mul_ps(scores[s][h], _mm512_set1_ps(p.scale)));
@@ -180,21 +187,23 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g, const std::vector<Span<T>
     std::fill(acc[h], acc[h] + width, 0.0f);
   }
   const T* q = p.q + (row * p.heads + g * G) * D;
-  // Spans are requested along this unit's list, then the next unit's: span i + kAhead as span
-  // i is used, so a unit's first kAhead were requested before it starts (by the unit before
-  // it, or here for a thread's first unit; a unit shorter than kAhead requests the rest).
+  // Spans are requested along this unit's list, then the next unit's: span i + kAhead during
+  // span i's q.K, so a unit's first kAhead were requested before it starts (by the unit
+  // before it, or here at once for a thread's first unit; a unit shorter than kAhead requests
+  // the rest).
   const int64_t total = static_cast<int64_t>(spans.size());
-  const auto request = [&](int64_t i) {
-    if (i < total)
-      PrefetchSpan(spans[i], D);
-    else if (next && i - total < static_cast<int64_t>(next->size()))
-      PrefetchSpan((*next)[i - total], D);
+  const auto span_at = [&](int64_t i) -> const Span<T>* {
+    if (i < total) return &spans[i];
+    if (next && i - total < static_cast<int64_t>(next->size())) return &(*next)[i - total];
+    return nullptr;
   };
-  for (int64_t i = first ? 0 : total; i < kAhead; ++i) request(i);
+  for (int64_t i = first ? 0 : total; i < kAhead; ++i)
+    if (const Span<T>* s = span_at(i)) PrefetchSpan(*s, D);
   for (int64_t i0 = 0; i0 < total; i0 += kSpans) {
     const int ns = static_cast<int>(std::min<int64_t>(kSpans, total - i0));
-    for (int64_t i = i0 + kAhead; i < i0 + kAhead + ns; ++i) request(i);
-    SoftmaxSpans<T, kG>(p, q, spans.data() + i0, ns, G, width, m, l, acc);
+    const Span<T>* ahead[kSpans];
+    for (int s = 0; s < ns; ++s) ahead[s] = span_at(i0 + kAhead + s);
+    SoftmaxSpans<T, kG>(p, q, spans.data() + i0, ns, G, width, m, l, acc, ahead);
   }
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.0f / std::max(l[h], std::numeric_limits<float>::min());
