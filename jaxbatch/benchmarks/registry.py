@@ -34,6 +34,8 @@ BENCHMARKS = {
     "dtype": ("dtype", "bf16 vs float32 on this CPU: per-executable profile, a small mix"),
     "roofline": ("roofline", "decode and prefill steps against the copy-bandwidth and GEMM-peak "
                              "floors measured in the same run"),
+    "attention-read": ("attention_read", "decode attention alone against the read bandwidth: "
+                       "pages contiguous and scattered"),
     "ops": ("ops", "one decode step and one prefill chunk op by op (XLA's profiler, HLO shapes)"),
     "gemm": ("gemm", "our CPU GEMM kernel over packed weights against XLA's dot, per matrix "
                      "and row count"),
