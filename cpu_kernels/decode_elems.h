@@ -155,21 +155,25 @@ struct Elems<float> {
   static void Scores(const float* q, const Span<float>& s, int64_t D, int64_t G_,
                      __m512* scores, LineFeed& feed) {
     const int64_t G = kG ? kG : G_;
-    feed.Rest();
+    // the feed's lines spread over the G * D / 16 steps of Dots
+    const int64_t steps = std::max<int64_t>(1, G * ((D + 15) / 16));
+    const int64_t per_step = (feed.left / 64 + steps - 1) / steps;
     for (int64_t h = 0; h < G; ++h) {
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
       if (s.valid == 0xFFFF)      // a full block of 16 keys: the loop over keys unrolled
-        Dots<16>(q + h * D, s.k, D, 16, dots);
+        Dots<16>(q + h * D, s.k, D, 16, dots, feed, per_step);
       else
-        Dots<0>(q + h * D, s.k, D, s.n, dots);
+        Dots<0>(q + h * D, s.k, D, s.n, dots, feed, per_step);
       scores[h] = Reduce16(dots);
     }
   }
   template <int kN>
-  static void Dots(const float* q, const float* k, int64_t D, int64_t n_, __m512* dots) {
+  static void Dots(const float* q, const float* k, int64_t D, int64_t n_, __m512* dots,
+                   LineFeed& feed, int64_t per_step) {
     const int64_t n = kN ? kN : n_;
     for (int64_t c = 0; c < D; c += 16) {
+      feed.Request(per_step);
       const __mmask16 dm = FirstLanes(D - c);
       const __m512 qv = _mm512_maskz_loadu_ps(dm, q + c);
       for (int64_t i = 0; i < n; ++i)
