@@ -156,6 +156,12 @@ def test_sse_framing_chat_and_completions(server):
     assert events[-1] == "[DONE]" and all(c["object"] == "text_completion" for c in chunks)
     assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
     assert "usage" not in chunks[-1]
+    # with include_usage: one last chunk, no choices, the usage of both prompts
+    body["stream_options"] = {"include_usage": True}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=120)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert [c["choices"] for c in chunks if c.get("usage")] == [[]] and chunks[-1].get("usage")
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
 
 
 def test_completion_with_several_prompts_and_n(server):

@@ -329,9 +329,9 @@ class OpenAIServing:
 
     async def _completion_stream(self, req, rid, streams, n_prompt, ticket):
         created, total = int(time.time()), len(streams) * req.n
-        text_chunk = TextChunks(lambda i, text: P.CompletionResponse(
-            id=rid, created=created, model=req.model or self.model_name,
-            choices=[P.CompletionChoice(index=i, text=text)]))
+        chunk = lambda choices, **extra: P.CompletionResponse(   # noqa: E731
+            id=rid, created=created, model=req.model or self.model_name, choices=choices, **extra)
+        text_chunk = TextChunks(lambda i, text: chunk([P.CompletionChoice(index=i, text=text)]))
         sent_text, sent_tok, done = [""] * total, [0] * total, [False] * total
         cached: dict[int, int] = {}
         cut = False
@@ -353,17 +353,14 @@ class OpenAIServing:
                     if lp is None and not fin and c.stop_reason is None:
                         yield text_chunk(i, delta)   # text only: most chunks of a stream
                         continue
-                    yield sse(P.CompletionResponse(
-                        id=rid, created=created, model=req.model or self.model_name,
-                        choices=[P.CompletionChoice(index=i, text=delta, logprobs=lp,
-                                                    finish_reason=wire_reason(c.finish_reason),
-                                                    stop_reason=c.stop_reason)]))
+                    yield sse(chunk([P.CompletionChoice(
+                        index=i, text=delta, logprobs=lp,
+                        finish_reason=wire_reason(c.finish_reason), stop_reason=c.stop_reason)]))
             if cut:
                 yield _cut_event()
             if req.include_usage:
                 usage = P.UsageInfo.of(n_prompt, sum(sent_tok), sum(cached.values()))
-                yield sse(P.CompletionResponse(id=rid, created=created, model=req.model or self.model_name,
-                                               choices=[], usage=usage))
+                yield sse(chunk([], usage=usage))
         except EngineDeadError as e:
             yield sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="InternalServerError", code=500)))
         finally:
