@@ -16,6 +16,10 @@
                      first and feeds the next matmul, so a step that runs them in order cannot
                      hide the KV read behind compute-bound matmuls. What the step could reach
                      as built; the decode floor above is the issue's target
+    reachable / bandwidth floor: the decode floor over (weight + KV bytes) / copy bandwidth,
+                     the lowest step / bandwidth floor any implementation could show here.
+                     Above 1, the matmuls' FLOPs at the GEMM peak outlast the bytes: a CPU
+                     without AMX at a few dozen rows
     prefill floor    matmul FLOPs of the chunk / GEMM peak
 
 Decode: `slots` requests decoding in lockstep (decode_floor's steady engine, every length inside
@@ -170,7 +174,9 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
             "bound": "bandwidth" if bandwidth_floor >= compute_floor else "compute",
             "floor_ms": 1e3 * floor, "step_over_floor": step / floor,
             "overlapped_over_floor": period / floor, "sequential_floor_ms": 1e3 * sequential,
-            "overlapped_over_sequential": period / sequential}
+            "overlapped_over_sequential": period / sequential,
+            "overlapped_over_bandwidth_floor": period / bandwidth_floor,
+            "reachable_over_bandwidth_floor": floor / bandwidth_floor}
 
 
 def overlapped_period(engine, rows: int, steps: int) -> float:
@@ -251,12 +257,15 @@ def main(argv=None):
         table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
                "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
                "overlapped / floor", "sequential floor at read rate ms",
-               "overlapped / sequential"],
+               "overlapped / sequential", "overlapped / bandwidth floor",
+               "reachable / bandwidth floor"],
               [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['overlapped_step_ms']:.1f}",
                 f"{d['weight_mb']:.0f}", f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
                 f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})",
                 f"{d['overlapped_over_floor']:.2f}", f"{d['sequential_floor_ms']:.1f}",
-                f"{d['overlapped_over_sequential']:.2f}"]
+                f"{d['overlapped_over_sequential']:.2f}",
+                f"{d['overlapped_over_bandwidth_floor']:.2f}",
+                f"{d['reachable_over_bandwidth_floor']:.2f}"]
                for d in decodes]),
         table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
               [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",

@@ -242,6 +242,12 @@ def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
         max(weights_ms, dec["compute_floor_ms"]) + kv_ms)
     assert dec["overlapped_over_floor"] == pytest.approx(
         dec["overlapped_step_ms"] / dec["floor_ms"])
+    # against the bytes alone, and the lowest ratio the matmuls' FLOPs leave reachable
+    assert dec["overlapped_over_bandwidth_floor"] == pytest.approx(
+        dec["overlapped_step_ms"] / dec["bandwidth_floor_ms"])
+    assert dec["reachable_over_bandwidth_floor"] == pytest.approx(
+        dec["floor_ms"] / dec["bandwidth_floor_ms"])
+    assert dec["reachable_over_bandwidth_floor"] >= 1
     assert report["prefill"]["tokens"] == 32 and report["prefill"]["step_over_floor"] > 0
 
 
@@ -257,7 +263,8 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
         "bandwidth_floor_ms": 1.0, "compute_floor_ms": 1.0, "bound": "compute",
         "floor_ms": 1.0, "step_over_floor": 1.0, "overlapped_step_ms": 1.0,
         "overlapped_over_floor": 1.0, "sequential_floor_ms": 1.0,
-        "overlapped_over_sequential": 1.0})
+        "overlapped_over_sequential": 1.0, "overlapped_over_bandwidth_floor": 1.0,
+        "reachable_over_bandwidth_floor": 1.0})
     monkeypatch.setattr(roofline, "prefill_chunk", lambda *a: {
         "tokens": 32, "step_ms": 1.0, "gflop": 1.0, "floor_ms": 1.0, "step_over_floor": 1.0})
     for dtype in ("float32", "bfloat16"):
