@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -99,6 +100,7 @@ def serve(args) -> int:
         engine = build_engine(model, **kwargs)
         lora.check_at_start(engine)    # a bad adapter: the server refuses to start, saying why
         engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
+        _freeze_startup_heap()
         return engine
 
     failed = []
@@ -149,6 +151,17 @@ def serve(args) -> int:
         print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _freeze_startup_heap() -> None:
+    """Everything alive once the engine is built (the weights' wrappers, compiled executables,
+    tokenizer tables: hundreds of thousands of objects) moves out of Python's cyclic collector.
+    A full collection walks every tracked object while it holds the GIL: on a serving process
+    it paused every stream at once, now and then (docs/BENCHMARKS.md). vLLM freezes its engine's
+    start-up heap for the same reason. What the server allocates from here on is collected as
+    before; this process keeps one engine for its life, so nothing frozen is waiting to be freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def _raise_fd_limit() -> None:

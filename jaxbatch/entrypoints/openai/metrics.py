@@ -9,6 +9,7 @@ CollectorRegistry: two apps in one process (tests) never share or clash on serie
 """
 from __future__ import annotations
 
+import gc
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -44,6 +45,10 @@ class ServerMetrics:
         # Ours, not vLLM's: a compilation after warm-up stalls every stream; it should stay 0.
         self.late_compilations = gauge("jaxbatch:compilations_after_warmup",
                                        "Executables compiled after warm-up (a shape warm-up missed).")
+        # Ours: the start-up heap `jaxbatch serve` moves out of the cyclic collector's walks.
+        gauge("jaxbatch:gc_frozen_objects",
+              "Objects frozen out of Python's cyclic garbage collector (gc.freeze).").set_function(
+                  gc.get_freeze_count)
         # Ours: structured outputs' host time (grammar compiles; matcher advance + mask fill).
         self.structured_compile = gauge("jaxbatch:structured_compile_seconds",
                                         "Cumulative seconds compiling grammars (and building the grammar tokenizer).")
