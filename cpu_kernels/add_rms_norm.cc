@@ -138,10 +138,13 @@ ffi::Future AddRmsNormImpl(ffi::ThreadPool pool, Bf16Matrix x, Bf16Matrix h, F32
   job->units = (job->p.rows + kRowsPerUnit - 1) / kRowsPerUnit;
   const int64_t helpers = job->p.rows < kMinParallelRows
                               ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
-  return jaxbatch_pool::Run(pool, job, helpers);
+  return jaxbatch_pool::Run(pool, job, helpers,
+                            {jaxbatch_calls::kNorm, job->p.rows, job->p.d, 0});
 }
 
 }  // namespace
+
+JAXBATCH_DEFINE_CALL_LOG_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchAddRmsNorm, AddRmsNormImpl,
                               ffi::Ffi::Bind()

@@ -8,7 +8,7 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import build, kv_hints
+from cpu_kernels import build, call_log, kv_hints
 
 # The instruction sets every kernel here is compiled for.
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
@@ -41,6 +41,7 @@ def register(source: str, symbol: str, target: str) -> str | None:
         return f"could not build {source}: {e}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     kv_hints.wire(lib)
+    call_log.wire(lib)
     return None
 
 

@@ -79,10 +79,12 @@ ffi::Future FirstArgmaxImpl(ffi::ThreadPool pool, Logits x, ffi::Result<Tokens> 
   if (job->units == 0) return jaxbatch_pool::Ready();
   const int64_t helpers = xd[0] * xd[1] < kMinParallelElements
                               ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
-  return jaxbatch_pool::Run(pool, job, helpers);
+  return jaxbatch_pool::Run(pool, job, helpers, {jaxbatch_calls::kArgmax, xd[0], xd[1], 0});
 }
 
 }  // namespace
+
+JAXBATCH_DEFINE_CALL_LOG_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchFirstArgmax, FirstArgmaxImpl,
                               ffi::Ffi::Bind()

@@ -349,7 +349,8 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
   // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
   const int64_t helpers =
       macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
-  return jaxbatch_pool::Run(pool, job, helpers);
+  return jaxbatch_pool::Run(pool, job, helpers,
+                            {jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16});
 }
 
 template <typename X, typename W, typename Y>
@@ -372,6 +373,7 @@ using Bf16Y = ffi::Buffer<ffi::BF16, 2>;
 }  // namespace
 
 JAXBATCH_DEFINE_PREFETCH_SETTER
+JAXBATCH_DEFINE_CALL_LOG_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemm, (PackedGemmImpl<uint16_t, Bf16X, Bf16W, F32Y>),
                               (Binding<Bf16X, Bf16W, F32Y>()));

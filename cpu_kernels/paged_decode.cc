@@ -338,7 +338,8 @@ ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector
   job->units = p.batch * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
   job->workers = std::max<int64_t>(helpers, 0) + 1;
-  return jaxbatch_pool::Run(pool, job, helpers);
+  return jaxbatch_pool::Run(pool, job, helpers,
+                            {jaxbatch_calls::kDecode, p.batch, p.heads, p.head_dim});
 }
 
 template <typename Q, typename Pool, typename Y>
@@ -367,6 +368,7 @@ using Bf16Array3 = ffi::Buffer<ffi::BF16, 3>;
 }  // namespace
 
 JAXBATCH_DEFINE_PREFETCH_SETTER
+JAXBATCH_DEFINE_CALL_LOG_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecode,
                               (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, F32Array3>),

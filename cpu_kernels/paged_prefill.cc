@@ -298,7 +298,8 @@ ffi::Future PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool
     p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
   job->units = p.tiles * p.kv_heads;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-  return jaxbatch_pool::Run(pool, job, helpers);
+  return jaxbatch_pool::Run(pool, job, helpers,
+                            {jaxbatch_calls::kPrefill, p.tokens, p.heads, p.head_dim});
 }
 
 template <typename Y>
@@ -316,6 +317,8 @@ constexpr auto Binding() {
 }
 
 }  // namespace
+
+JAXBATCH_DEFINE_CALL_LOG_SETTER
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedPrefill, PagedPrefillImpl<F32Out>,
                               Binding<F32Out>());

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 
+#include "call_log.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxbatch_pool {
@@ -54,19 +55,27 @@ struct JobCounters {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   ffi::CountDownPromise finished;
+  std::atomic<int64_t> pending_tasks{0};   // Run's tasks on the pool not yet through Work()
 };
 
 // Runs job->Work() until every one of job->units is done (job->done counts them), on the
 // calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job: a
-// JobCounters with Work().
+// JobCounters with Work(). `label`: what the call log records of it (call_log.h).
 template <typename Job>
-ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers) {
+ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers,
+                const jaxbatch_calls::Label& label) {
+  jaxbatch_calls::Record* record = jaxbatch_calls::Begin(label);
   if (helpers > 0 && !OnPoolThread()) {
     job->finished = ffi::CountDownPromise(helpers + 1);
+    job->pending_tasks.store(helpers + 1, std::memory_order_release);
     ffi::Future finished(job->finished);
     for (int64_t i = 0; i <= helpers; ++i)
-      pool.Schedule([job] {
+      pool.Schedule([job, record] {
         job->Work();
+        // the last task stamps the record just before it completes the future: after that,
+        // XLA may already run the next op
+        if (job->pending_tasks.fetch_sub(1, std::memory_order_acq_rel) == 1)
+          jaxbatch_calls::End(record);
         job->finished.CountDown(1);
       });
     return finished;
@@ -74,6 +83,7 @@ ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t 
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
+  jaxbatch_calls::End(record);
   return Ready();
 }
 

@@ -37,6 +37,7 @@ BENCHMARKS = {
     "attention-read": ("attention_read", "decode attention alone against the read bandwidth: "
                        "pages contiguous and scattered"),
     "ops": ("ops", "one decode step and one prefill chunk op by op (XLA's profiler, HLO shapes)"),
+    "calls": ("calls", "our CPU kernels' calls in decode steps, timed where they run, untraced"),
     "gemm": ("gemm", "our CPU GEMM kernel over packed weights against XLA's dot, per matrix "
                      "and row count"),
     "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),

@@ -20,7 +20,7 @@ SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.
 # What README.md and docs/BENCHMARKS.md run, by name (issue 28: each runs from `jaxbatch bench`).
 NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "quant", "overlap",
          "profile", "vs-vllm", "scaleout", "step-keys", "accuracy", "decode-floor", "detok",
-         "hostile", "families", "structured", "lora", "roofline", "ops", "gemm")
+         "hostile", "families", "structured", "lora", "roofline", "ops", "gemm", "calls")
 
 
 def test_help_lists_every_benchmark(capsys):
