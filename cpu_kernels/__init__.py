@@ -24,7 +24,7 @@ KEY_GROUP); pool_dispatch.h how each kernel runs its work on XLA's intra-op thre
 it to them when called on another thread); kv_prefetch.h (its memory in kv_hints.py) the hint
 channel through which decode attention names the next layer's pages to the GEMMs before it;
 call_log.h (its memory in call_log.py) each call's kernel, sizes and times while `bench calls`
-records them.
+records them; handout.py how that memory of ours reaches each library.
 
 JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error. JAXBATCH_KV_PREFETCH=0
 turns the hint channel off (results are the same either way).

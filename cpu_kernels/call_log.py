@@ -15,9 +15,10 @@ hold no log and record nothing.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
+
+from cpu_kernels.handout import Handout
 
 CAPACITY = 1 << 17          # call_log.h, kMaxRecords
 # call_log.h's Kernel ids, and what each one's three sizes are (call_log.h, Label).
@@ -34,49 +35,21 @@ class _Log(ctypes.Structure):
 
 
 _LOG: _Log | None = None     # allocated on first start, never freed: a late call may write
-_LIBS: list = []
-_LOCK = threading.Lock()
-_recording = False
-
-
-def _hand(lib) -> None:
-    lib.JaxbatchSetCallLog(ctypes.byref(_LOG) if _recording else None)
-
-
-def wire(lib) -> None:
-    """A library built for another capacity would write past the log: it gets none."""
-    if not hasattr(lib, "JaxbatchSetCallLog"):
-        return
-    lib.JaxbatchSetCallLog.argtypes = [ctypes.c_void_p]
-    lib.JaxbatchCallLogCapacity.restype = ctypes.c_int64
-    if lib.JaxbatchCallLogCapacity() != CAPACITY:
-        lib.JaxbatchSetCallLog(None)
-        return
-    with _LOCK:
-        if all(known._handle != lib._handle for known in _LIBS):
-            _LIBS.append(lib)
-        _hand(lib)
-
-
-def _set(on: bool) -> None:
-    global _LOG, _recording
-    with _LOCK:
-        if on and _LOG is None:
-            _LOG = _Log()
-        _recording = on
-        for lib in _LIBS:
-            _hand(lib)
+_HANDOUT = Handout("JaxbatchSetCallLog", "JaxbatchCallLogCapacity", CAPACITY)
+wire = _HANDOUT.wire
 
 
 def start() -> None:
-    _set(False)
-    if _LOG is not None:
-        _LOG.size = 0
-    _set(True)
+    global _LOG
+    _HANDOUT.hand(None)
+    if _LOG is None:
+        _LOG = _Log()
+    _LOG.size = 0
+    _HANDOUT.hand(ctypes.byref(_LOG))
 
 
 def stop() -> np.ndarray:
-    _set(False)
+    _HANDOUT.hand(None)
     return records()
 
 

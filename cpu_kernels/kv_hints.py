@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
+
+from cpu_kernels.handout import Handout
 
 QUEUE_RANGES = 1 << 15      # kv_prefetch.h, kMaxRanges
 
@@ -29,36 +30,15 @@ class _Queue(ctypes.Structure):
 
 
 _QUEUE = _Queue()
-_LIBS: list = []
-_LOCK = threading.Lock()
-_enabled = os.environ.get("JAXBATCH_KV_PREFETCH", "1") != "0"
-
-
-def _hand(lib) -> None:
-    lib.JaxbatchSetPrefetchQueue(ctypes.byref(_QUEUE) if _enabled else None)
-
-
-def wire(lib) -> None:
-    """A library built for another queue size would write past the queue: it gets none."""
-    if not hasattr(lib, "JaxbatchSetPrefetchQueue"):
-        return
-    lib.JaxbatchSetPrefetchQueue.argtypes = [ctypes.c_void_p]
-    lib.JaxbatchPrefetchQueueRanges.restype = ctypes.c_int64
-    if lib.JaxbatchPrefetchQueueRanges() != QUEUE_RANGES:
-        lib.JaxbatchSetPrefetchQueue(None)
-        return
-    with _LOCK:
-        if all(known._handle != lib._handle for known in _LIBS):   # one per library
-            _LIBS.append(lib)
-        _hand(lib)
+_HANDOUT = Handout("JaxbatchSetPrefetchQueue", "JaxbatchPrefetchQueueRanges", QUEUE_RANGES)
+wire = _HANDOUT.wire
 
 
 def set_enabled(on: bool) -> None:
-    global _enabled
-    with _LOCK:
-        _enabled = bool(on)
-        for lib in _LIBS:
-            _hand(lib)
+    _HANDOUT.hand(ctypes.byref(_QUEUE) if on else None)
+
+
+set_enabled(os.environ.get("JAXBATCH_KV_PREFETCH", "1") != "0")
 
 
 def published() -> list[tuple[int, int, int]]:
