@@ -106,7 +106,9 @@ def test_queue_cap_is_counted_at_the_moment_of_the_check(server):
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(server):
     assert wait_for(lambda: idle(server.base), 30)
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True,
+    # Long enough that both are surely still running while the drain is probed below (40
+    # tokens once finished first, on a fast run, and the server had closed its port).
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 160, "ignore_eos": True,
             "stream": True, "temperature": 0}
     socks = [raw_post(server.port, "/v1/completions", body, AUTH) for _ in range(2)]
     heads = [read_until(s, b"data: ") for s in socks]
@@ -118,7 +120,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
     r = httpx.post(server.base + "/v1/completions", headers=AUTH, timeout=10,
                    json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 503 and "Retry-After" in r.headers
-    # The in-flight streams run to their end (40 tokens, finish_reason "length").
+    # The in-flight streams run to their end (160 tokens, finish_reason "length").
     for sock, head in zip(socks, heads):
         raw = head + read_until(sock, b"data: [DONE]")
         body_text = raw.split(b"\r\n\r\n", 1)[1].decode()
