@@ -231,7 +231,9 @@ def test_the_heap_is_out_of_the_collectors_reach_while_requests_are_sent():
         asyncio.run(bench_serve.run_load("http://fake", workload, rate=math.inf, api="chat",
                                          health_interval=None, clock=clock,
                                          transport=fake_transport(clock, bodies)))
-        assert gc.get_freeze_count() >= frozen
+        # unfrozen, the count would be 0; it may fall a little, as frozen objects that lose
+        # their last reference meanwhile leave it
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
 
