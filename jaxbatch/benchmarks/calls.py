@@ -20,26 +20,26 @@ import statistics
 
 import numpy as np
 
+from cpu_kernels import call_log
 from jaxbatch.benchmarks.machine import machine_info
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 
 KIND, A, B, C, ENTRY, END = range(6)    # call_log.records() columns
+IDS = {name: k for k, name in call_log.KERNELS.items()}
 
 
 def decode_steps(records: np.ndarray, rows: int) -> list[tuple[np.ndarray, int]]:
     """(the records of each decode step, when it ended). A step runs from one argmax call
     (each step's sampling has one) to the next one's entry; kept are those with decode
     attention, no prefill attention, every GEMM of `rows` rows, and every call ended."""
-    from cpu_kernels import call_log
-    ids = {name: k for k, name in call_log.KERNELS.items()}
-    marks = np.flatnonzero(records[:, KIND] == ids["argmax"])
+    marks = np.flatnonzero(records[:, KIND] == IDS["argmax"])
     steps = []
     for first, last in zip(marks[:-1], marks[1:]):
         step = records[first:last]
-        kinds, gemms = step[:, KIND], step[step[:, KIND] == ids["gemm"]]
-        if (np.any(kinds == ids["decode attention"])
-                and not np.any(kinds == ids["prefill attention"])
+        kinds, gemms = step[:, KIND], step[step[:, KIND] == IDS["gemm"]]
+        if (np.any(kinds == IDS["decode attention"])
+                and not np.any(kinds == IDS["prefill attention"])
                 and np.all(gemms[:, A] == rows) and np.all(step[:, END] > 0)):
             steps.append((step, int(records[last, ENTRY])))
     return steps
@@ -48,7 +48,6 @@ def decode_steps(records: np.ndarray, rows: int) -> list[tuple[np.ndarray, int]]
 def summarize(steps: list[tuple[np.ndarray, int]]) -> dict:
     """Per (kernel, a, b, c): calls per step, median and mean µs, ms per step; and the
     steps' own median and mean, and the time inside the kernels a step."""
-    from cpu_kernels import call_log
     durations: dict[tuple, list[float]] = {}
     walls, inside = [], []
     for step, end in steps:
@@ -70,7 +69,6 @@ def summarize(steps: list[tuple[np.ndarray, int]]) -> dict:
 
 
 def record_rows(llm, rows: int, tokens: int, vocab: int) -> dict:
-    from cpu_kernels import call_log
     from jaxbatch import SamplingParams
     # token ids (a random model has no tokenizer): 12 a prompt, each prompt its own
     prompts = [{"prompt_token_ids": [1 + (7 * i + j) % (vocab - 1) for j in range(12)]}
