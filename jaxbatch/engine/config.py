@@ -23,6 +23,8 @@ ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATIONS = (None, "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KERNEL_MODES = ("auto", "off", "required")
+WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
 NON_NEGATIVE = ("seed", "process_id")
 
 
@@ -141,6 +143,16 @@ class RuntimeOptions:
                                 "each")
     compilation_cache: bool = option(True, "keep compiled and lowered steps on disk "
                                      "(~/.cache/jaxbatch, or $JAXBATCH_CACHE)")
+    cpu_kernels: str = option("auto", "our C++ kernels on a CPU (GEMM over packed weights, "
+                              "add + norm, paged attention, argmax): auto where they run, off, "
+                              "or required (an error where one cannot run); stats()['kernels'] "
+                              "says what runs each operation and why", CPU_KERNEL_MODES)
+    kv_prefetch: bool = option(True, "the C++ decode attention names the next layer's KV pages "
+                               "to the GEMMs before it, which request them into cache (results "
+                               "are the same either way)")
+    weight_layout: str = option("auto", "layer matrices kept apart per layer (auto on a CPU: "
+                                "each matmul reads its weight in place) or stacked [L, in, out] "
+                                "(auto elsewhere)", WEIGHT_LAYOUTS)
 
 
 @dataclasses.dataclass(frozen=True)

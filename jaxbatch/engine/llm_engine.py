@@ -31,14 +31,14 @@ from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
 from jaxbatch.lora.request import lora_cache_salt
-from jaxbatch.model import precision, storage
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
 from jaxbatch.structured.manager import StructuredOutputManager
-from jaxbatch.worker import compile_cache
+from jaxbatch.worker import compile_cache, weight_forms
 from jaxbatch.worker.runner import ModelRunner
 from jaxbatch.worker.sampler import MAX_BANNED
 
@@ -375,9 +375,11 @@ class LLMEngine(EngineBase):
             # What dtype="auto" chose (model/precision.py): the embedding's (matrices may be int8)
             "dtype": str(self.runner.params["embed"].dtype),
             # On CPU: our kernels (cpu_kernels/) where they cover the pool, else jnp and why
-            "decode_attention": self.runner.attention.decode_kernel(*attention_case),
-            "prefill_attention": self.runner.attention.prefill_kernel(*attention_case),
-            "matmuls": storage.matmuls(self.runner.params),   # our CPU GEMM kernel, or XLA's
+            "decode_attention": self.runner.attention.decode_kernel_name(*attention_case),
+            "prefill_attention": self.runner.attention.prefill_kernel_name(*attention_case),
+            "matmuls": weight_forms.matmuls(self.runner.params),   # our CPU GEMM kernel, or XLA's
+            # What runs each heavy operation, and why (worker/kernels.py, chosen once)
+            "kernels": self.runner.kernels.describe(),
             # "int8", or the model dtype the "auto" cache stores (bf16 bits as uint16 on CPU)
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,

@@ -10,7 +10,7 @@ import jax
 
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.engine.config import EngineConfig
-from jaxbatch.model import llama
+from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import params_are_quantized, quantize_params
@@ -19,7 +19,9 @@ from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
 from jaxbatch.worker import compile_cache
 from jaxbatch.worker.kv_cache import blocks_for_budget
+from jaxbatch.worker.kernels import KernelOptions
 from jaxbatch.worker.runner import ModelRunner
+from jaxbatch.worker.weight_forms import to_plain
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -33,15 +35,16 @@ def load_weights(config: EngineConfig, loaded: LoadedModel | None,
     m = config.model
     # Split over devices: weights stay on the host until each device takes its slice.
     on_device = config.parallel.tensor_parallel_size == 1 and devices is None
-    loaded = loaded or load_model(m.model, m.dtype, quantization=m.quantization,
-                                  on_device=on_device)
+    if loaded is None:
+        loaded = dataclasses.replace(load_model(m.model, m.dtype, quantization=m.quantization,
+                                                on_device=on_device), private=True)
     if m.quantization == "int8" and not params_are_quantized(loaded.params):
         # Weights given in full precision (loaded=): quantize a copy, the caller's stay.
-        loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params))
+        loaded = dataclasses.replace(loaded, params=quantize_params(to_plain(loaded.params)))
     elif m.quantization is None and params_are_quantized(loaded.params):
         raise ValueError("loaded= holds int8 weights; pass quantization='int8'")
     # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
-    loaded.params = llama.stack_layers(loaded.params)
+    loaded.params = stack_layers(loaded.params)
     return loaded
 
 
@@ -125,10 +128,21 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
         from jaxbatch.lora.runner import LoRARunner
         runner_class = LoRARunner
         extra = dict(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
-    return runner_class(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
-                        rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
-                        lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None,
-                        unified_step=rt.unified_step, **extra)
+    runner = runner_class(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
+                          rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
+                          lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None,
+                          unified_step=rt.unified_step, kernel_options=kernel_options(config),
+                          **extra)
+    if loaded.private and tp is None:
+        # Weights this engine loaded for itself: kept once, in the runner's form.
+        loaded.params = runner.params
+    return runner
+
+
+def kernel_options(config: EngineConfig) -> KernelOptions:
+    rt = config.runtime
+    return KernelOptions(cpu_kernels=rt.cpu_kernels, kv_prefetch=rt.kv_prefetch,
+                         weight_layout=rt.weight_layout)
 
 
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):

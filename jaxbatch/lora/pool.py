@@ -11,22 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.lora.adapter import HF_TO_OURS, LoRAWeights
-from jaxbatch.model.fused import part_shapes
-from jaxbatch.model.precision import in_out_shape
-from jaxbatch.model.quantize import is_quantized
+from jaxbatch.model.inputs import LoRAInputs
+from jaxbatch.worker.weight_forms import matrix_shapes
 
 
 def target_shapes(params: dict) -> dict[str, tuple[int, int]]:
     """(in, out) of each matrix an adapter may target that this model has as a plain layer
-    matrix (a routed MoE's experts are not targets)."""
-    layers = params["layers"]
-    shapes = part_shapes(layers)             # q, k, v, gate, up fused on CPU (model/fused.py)
-    for ours in HF_TO_OURS.values():
-        w = layers.get(ours)
-        if w is None:
-            continue
-        w = w[0] if isinstance(w, tuple) else w
-        shapes[ours] = tuple(w["int8"].shape[-2:]) if is_quantized(w) else in_out_shape(w)
+    matrix (a routed MoE's experts are not targets; fused matrices count as their parts)."""
+    shapes = matrix_shapes(params)
     return {ours: shapes[ours] for ours in HF_TO_OURS.values() if ours in shapes}
 
 
@@ -67,6 +59,6 @@ class LoRAPool:
     def clear(self, slot: int) -> None:
         self.arrays = self._write(self.arrays, *self._padded(None), np.int32(slot))
 
-    def call_input(self, slots: np.ndarray) -> dict:
+    def call_input(self, slots: np.ndarray) -> LoRAInputs:
         """The pytree a model call takes (`forward_hidden`'s `lora`): slots [T] int32."""
-        return {"slots": slots, **self.arrays}
+        return LoRAInputs(slots, self.arrays["A"], self.arrays["B"])

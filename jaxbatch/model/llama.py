@@ -1,17 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2): pre-norm layers, RoPE with the
-checkpoint's scaling, GQA, SwiGLU; Qwen2 adds q/k/v biases, Mistral and Qwen2 windows.
-
-This module also keeps the names the rest of the package imported from it before the model
-registry (`forward_hidden`, `compute_logits`, `stack_layers`, `rms_norm`, ...): the decoder
-itself now lives in `decoder.py` and `layers.py`, shared by every family.
-"""
+checkpoint's scaling, GQA, SwiGLU; Qwen2 adds q/k/v biases, Mistral and Qwen2 windows. The
+decoder itself (`decoder.py`, `layers.py`) is shared by every family."""
 from __future__ import annotations
 
 from jaxbatch.model.config import windows_from_layer_types
-from jaxbatch.model.decoder import (compute_logits, forward_hidden, num_layers_of,  # noqa: F401
-                                    padding_start, stack_layers)
-from jaxbatch.model.layers import (AttendFn, _dense, _matmul, rms_norm, unsharded,  # noqa: F401
-                                   write_kv_pool)
 from jaxbatch.model.qwen3 import qwen_windows
 from jaxbatch.model.weights import llama_layer
 

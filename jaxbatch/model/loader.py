@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.cache_dir import cache_root
 from jaxbatch.model.registry import config_from_hf
-from jaxbatch.model import precision, storage
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
-from jaxbatch.model.llama import stack_layers
+from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.quantize import check_quantization, is_quantized, quantize_params
 from jaxbatch.model.weights import params_from_hf_state
 
@@ -42,6 +43,9 @@ class LoadedModel:
     source: str
     load_seconds: float
     from_cache: bool
+    # Weights no caller holds (an engine loaded them for itself): the engine may keep them in
+    # its own form instead, so they are in memory once.
+    private: bool = False
 
 
 def embedded_gguf_path() -> str:
@@ -74,12 +78,6 @@ def resolve_dtype(dtype: str, cfg_dtype: str | None = None):
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use 'auto', {', '.join(_DTYPES)}")
     return dtype
-
-
-def cache_root() -> str:
-    base = os.environ.get("JAXBATCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxbatch")
-    return base
 
 
 _FULL_HASH_BYTES = 64 << 20     # files up to this size are hashed whole
@@ -292,6 +290,7 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
     float_dtype = jnp.dtype(_DTYPES[real_dtype])
     params = jax.tree.map(lambda a: a if is_quantized(a) else np.asarray(a, float_dtype), params,
                           is_leaf=is_quantized)
-    # On CPU bf16 layer stacks are kept as their bits (model/precision.py): a free host view.
-    params = jax.tree.map(to_array, storage.prepare(params))
+    # Plain arrays: the engine gives each matrix the form its kernels read
+    # (worker/weight_forms.py).
+    params = jax.tree.map(to_array, params)
     return LoadedModel(cfg, params, tokenizer, source, time.perf_counter() - start, from_cache)

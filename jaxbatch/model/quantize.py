@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxbatch.model import fused, precision
+from jaxbatch.model.linear import Int8, Linear, PerLayer
 from pallas_kernels.int8 import quantize_int8
 
 QUANTIZATIONS = (None, "int8")
@@ -53,33 +53,31 @@ def dequantize_matrix(weight: dict, dtype=jnp.float32):
 def _quantize_entry(weight):
     if isinstance(weight, tuple):                   # per-layer layout: one matrix per layer
         return tuple(_quantize_entry(w) for w in weight)
-    # as_float: a bf16 stack kept as uint16 bits on CPU (model/precision.py) holds floats.
-    return weight if is_quantized(weight) else quantize_matrix(precision.as_float(weight))
+    if isinstance(weight, Linear):                  # a typed weight: its float values
+        weight = weight.to_float()
+    return weight if is_quantized(weight) else quantize_matrix(weight)
 
 
 def quantize_params(params: dict) -> dict:
     """A new params dict with the layer matrices int8 (idempotent: quantized ones are kept).
     Accepts the loader's list of per-layer dicts and the stacked layers dict alike; numpy
-    arrays stay numpy (host-side quantization before the device copy). int8 matrices are
-    never fused: fused ones (`fused.py`) are split back first."""
+    arrays stay numpy (host-side quantization before the device copy). Takes plain params
+    (before `worker/weight_forms.py` gives the matrices their form)."""
     layers = params["layers"]
     if isinstance(layers, list):
         layers = [{name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
                    for name, w in layer.items()} for layer in layers]
-    else:                                   # fused float matrices (CPU) quantize as parts
+    else:
         layers = {name: _quantize_entry(w) if name in QUANTIZED_MATRICES else w
-                  for name, w in fused.unfuse(layers).items()}
+                  for name, w in layers.items()}
     return {**params, "layers": layers}
 
 
 def params_are_quantized(params: dict) -> bool:
     layers = params["layers"]
     layer = layers[0] if isinstance(layers, list) else layers
-    weight = layer["wo"]                            # never fused (model/fused.py)
-    return is_quantized(weight[0] if isinstance(weight, tuple) else weight)
-
-
-def int8_matmul(x, weight: dict):
-    """x [T, in] @ int8 weight -> [T, out] in x's dtype; the scale is applied after the dot."""
-    y = jnp.dot(x, weight["int8"].astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * weight["scale"]).astype(x.dtype)
+    weight = layer["wo"]                            # never fused
+    if isinstance(weight, PerLayer):
+        weight = weight.layers
+    weight = weight[0] if isinstance(weight, tuple) else weight
+    return is_quantized(weight) or isinstance(weight, Int8)

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.inputs import KVPool
 from jaxbatch.parallel.mesh import TP_AXIS, check_tensor_parallel, make_tp_mesh
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")
@@ -114,7 +115,7 @@ class TensorParallel:
         shape = (cfg.num_kv_heads, cfg.num_layers * num_blocks, block_size, cfg.head_dim)
         make = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
                        out_shardings=(self.pool_sharding, self.pool_sharding))
-        return make()
+        return KVPool(*make())
 
     # ---- compiled calls ------------------------------------------------------------------
     def jit_shardings(self, args, pool_index: int | None, num_outputs: int | None) -> dict:
@@ -130,11 +131,13 @@ class TensorParallel:
         return dict(in_shardings=ins, out_shardings=outs)
 
     def per_shard(self, fn):
-        """`fn(q, k, v, k_pool, v_pool) -> (out, k_pool, v_pool)` run on each device's heads.
-        check_vma off: Pallas calls carry no varying-axes rules, and every input here is
-        either split on heads or closed over replicated (the step's metadata)."""
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, POOL, POOL),
-                             out_specs=(HEADS, POOL, POOL), check_vma=False)
+        """`fn(q, k, v, pool) -> (out, pool)` run on each device's heads (a float pool: int8
+        ones are refused with tensor parallelism). check_vma off: Pallas calls carry no
+        varying-axes rules, and every input here is either split on heads or closed over
+        replicated (the step's metadata)."""
+        pool = KVPool(POOL, POOL)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, pool),
+                             out_specs=(HEADS, pool), check_vma=False)
 
     # ---- host <-> mesh, for multi-process runs -------------------------------------------
     def to_mesh(self, args):

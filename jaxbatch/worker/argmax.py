@@ -1,28 +1,16 @@
-"""The argmax every sampling path takes (greedy, Gumbel-max, the rejection step's resample)."""
+"""The argmax every sampling path takes (greedy, Gumbel-max, the rejection step's resample), in
+jnp: the reference of the engine's argmax kernel (`worker/kernels.py`), which the sampler is
+handed."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-
-from cpu_kernels import first_argmax as cpu_first_argmax
 
 CHUNK = 128     # vocabulary entries per chunk of the two-level search
 
 
-def first_argmax(x):
-    """[N, V] -> [N] int32: the first maximum, NaN counted as +inf (unlike jnp.argmax, a NaN
-    does not beat an earlier +inf). Float32 logits on a CPU where it runs take our kernel
-    (`cpu_kernels.first_argmax`, one pass for the maximum and one to its first lane, the rows
-    over XLA's threads); elsewhere the jnp form below. Both are exact: the same result."""
-    if (x.dtype != jnp.float32 or x.ndim != 2 or jax.default_backend() != "cpu"
-            or cpu_first_argmax.unavailable_reason() is not None):
-        return two_level_argmax(x)
-    return jax.lax.platform_dependent(x, cpu=cpu_first_argmax.first_argmax,
-                                      default=two_level_argmax)
-
-
 def two_level_argmax(x):
-    """`first_argmax` in jnp.
+    """[N, V] -> [N] int32: the first maximum, NaN counted as +inf (unlike jnp.argmax, a NaN
+    does not beat an earlier +inf).
 
     Two levels, so that no pass but the first reads the whole [N, V] array: each chunk of
     CHUNK entries' maximum, the first chunk holding the row's maximum, then the first lane of

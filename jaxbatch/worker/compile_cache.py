@@ -16,7 +16,7 @@ import os
 
 import jax
 
-from jaxbatch.model.loader import cache_root
+from jaxbatch.cache_dir import cache_root
 
 _enabled_dir: str | None = None
 

@@ -1,5 +1,5 @@
 """The paged KV pool on device: one (k_pages, v_pages) pair holding every layer (layer l's
-block b is row l * num_blocks + b; see `model/llama.py`), sized from a budget.
+block b is row l * num_blocks + b; see `model/decoder.py`), sized from a budget.
 
 `kv_cache_dtype="auto"` stores K/V in the model's dtype; `"int8"` stores int8 pages plus one
 float32 scale per (token, KV head) in (k_scales, v_scales) beside them (`pallas_kernels/int8.py`).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.inputs import KVPool
 from pallas_kernels.int8 import SCALE_BYTES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -39,7 +40,7 @@ def blocks_for_budget(cfg: ModelConfig, block_size: int, dtype, budget_bytes: in
 
 
 def allocate_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
-                  kv_cache_dtype: str = "auto") -> tuple:
+                  kv_cache_dtype: str = "auto") -> KVPool:
     """Zeros, not jnp.empty: from jax 0.11 `empty` is uninitialised and a NaN in a masked slot
     would poison a whole row of a matmul. Returns (k, v), each
     [num_kv_heads, num_layers * num_blocks, block_size, head_dim] in `dtype`; for an int8
@@ -48,6 +49,6 @@ def allocate_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
     check_kv_cache_dtype(kv_cache_dtype)
     shape = (cfg.num_kv_heads, cfg.num_layers * num_blocks, block_size, cfg.head_dim)
     if kv_cache_dtype == "auto":
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    return (jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
-            jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape[:3], jnp.float32))
+        return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return KVPool(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
+                  jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape[:3], jnp.float32))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxbatch.worker.argmax import first_argmax
+from jaxbatch.worker.argmax import two_level_argmax
 
 
-def rejection_sample(p, q, draft, u, gumbel):
+def rejection_sample(p, q, draft, u, gumbel, argmax=two_level_argmax):
     """p, q [N, V] f32 (rows sum to 1); draft [N] i32, drawn from q; u [N] f32 uniform in
     [0, 1); gumbel [N, V] f32 standard Gumbel noise -> tokens [N] i32, each distributed as p."""
     p_d = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]                 # [N]
@@ -27,5 +27,5 @@ def rejection_sample(p, q, draft, u, gumbel):
     # Where p and q agree to within rounding the residual can vanish; p is then its limit.
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
     # Gumbel-max on log weights samples the normalised weights; log(0) = -inf is never chosen.
-    resampled = first_argmax(jnp.log(residual) + gumbel)
+    resampled = argmax(jnp.log(residual) + gumbel)
     return jnp.where(accept, draft, resampled).astype(jnp.int32)

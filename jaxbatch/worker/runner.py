@@ -27,70 +27,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.worker import attention, kv_cache, lowered_store, sampler
+from jaxbatch.worker import attention, kernels as kernel_seam, kv_cache, lowered_store, sampler
+from jaxbatch.worker import weight_forms
 from jaxbatch.worker.compilation import Executables
+from jaxbatch.worker.inputs import DECODE_ARGS, DecodeInputs, PrefillInputs
+from jaxbatch.worker.model_calls import (decode_forward, mixed_forward, prefill_forward,
+                                         prompt_logprobs_step)
 from jaxbatch.core.config import SchedulerConfig
-from jaxbatch.model import llama, precision, storage
+from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
-from jaxbatch.model.quantize import is_quantized
+from jaxbatch.model.decoder import stack_layers
+from jaxbatch.model.layers import unsharded
+from jaxbatch.model.quantize import params_are_quantized
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
 from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
 MODEL_CALLS = ("decode", "prefill", "mixed")
-
-
-def _decode_tokens(kept_tokens, tokens, token_src):
-    """`kept_tokens` [S]: each slot's last sampled token, still on device; rows whose
-    `token_src` is a slot decode that token (host/device overlap), the others `tokens`."""
-    return jnp.where(token_src >= 0, kept_tokens[jnp.maximum(token_src, 0)], tokens)     # [B]
-
-
-def _decode_forward(params, pool, kept_tokens, tokens, token_src, positions, slot_mapping,
-                    attn_meta, lora=None, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
-    tokens = _decode_tokens(kept_tokens, tokens, token_src)
-    # attention_scale / compute_logits(.., cfg): families scale scores and cap logits.
-    attend = backend.decode_attend(attn_meta, cfg.attention_scale)
-    rows = llama.padding_start(slot_mapping)
-    hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora, rows)  # [B, d]
-    return llama.compute_logits(params, hidden, cfg, rows), pool                # [B, V]
-
-
-def _prefill_forward(params, pool, tokens, positions, slot_mapping, attn_meta, sample_index,
-                     lora=None, *, cfg, backend, inv_freq, per_shard=llama.unsharded):
-    """`lora` (both forwards): the LoRA pool and per-token slots, only in a LoRA engine's calls
-    (jaxbatch/lora/runner.py appends it); without it the traced function is unchanged."""
-    attend = backend.prefill_attend(attn_meta, cfg.attention_scale)
-    hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora,
-                                        llama.padding_start(slot_mapping))      # [T, d]
-    last = hidden[sample_index]                                                 # [S, d]
-    return llama.compute_logits(params, last, cfg), hidden, pool                # [S, V], [T, d]
-
-
-def _mixed_forward(params, pool, kept_tokens, d_tokens, token_src, d_positions, d_slot_mapping,
-                   d_meta, p_tokens, p_positions, p_slot_mapping, p_meta, sample_index, lora=None,
-                   *, cfg, backend, inv_freq, per_shard=llama.unsharded):
-    """A decode call's inputs (d_*, rows B) then a prefill call's (p_*, tokens T) as one
-    forward pass over [B + T] tokens; `lora` slots cover both, in that order.
-    -> (decode logits [B, V], prefill logits [S, V], prefill hidden [T, d], pool)."""
-    rows = d_tokens.shape[0]
-    tokens = jnp.concatenate([_decode_tokens(kept_tokens, d_tokens, token_src), p_tokens])
-    positions = jnp.concatenate([d_positions, p_positions])
-    slot_mapping = jnp.concatenate([d_slot_mapping, p_slot_mapping])
-    attend = attention.mixed_attend(rows, backend.decode_attend(d_meta, cfg.attention_scale),
-                                    backend.prefill_attend(p_meta, cfg.attention_scale))
-    hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slot_mapping,
-                                        attend, inv_freq, per_shard, lora,
-                                        llama.padding_start(slot_mapping))      # [B + T, d]
-    prefill_hidden = hidden[rows:]
-    # One LM-head matmul for both parts' sampled rows: the head is the largest single weight,
-    # and the point of a mixed call is to read each weight once per step.
-    logits = llama.compute_logits(params, jnp.concatenate([hidden[:rows],
-                                                           prefill_hidden[sample_index]]), cfg)
-    return logits[:rows], logits[rows:], prefill_hidden, pool
 
 
 def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
@@ -101,15 +55,11 @@ def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slot
     return out + (kept_tokens.at[token_slots].set(out[0], mode="drop"),)
 
 
-def _prompt_logprobs_step(params, hidden, targets, *, cfg=None):
-    logits = llama.compute_logits(params, hidden, cfg)                         # [T, V]
-    return sampler.prompt_logprobs(logits, targets)
-
-
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, sched_cfg: SchedulerConfig, dtype,
                  attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 tensor_parallel=None, lowered_dir: str | None = None, unified_step: bool = True):
+                 tensor_parallel=None, lowered_dir: str | None = None, unified_step: bool = True,
+                 kernel_options: kernel_seam.KernelOptions = kernel_seam.KernelOptions()):
         """`tensor_parallel`: a `jaxbatch.parallel.sharding.TensorParallel` that places the
         params and pool on its mesh and gives every compiled call its shardings; None on one
         device (the default path, untouched by any of it). `lowered_dir`: where the lowered
@@ -117,48 +67,56 @@ class ModelRunner:
         plain-jnp attention on one device uses it (Pallas kernels are custom calls that
         `jax.export` refuses, and sharded calls carry shardings). `unified_step`: a step's
         decode rows and prefill tokens share one model call where the backend allows it
-        (`step_inputs.StepLayout`)."""
+        (`step_inputs.StepLayout`). `kernel_options`: the engine's kernel options
+        (`worker/kernels.py`, which chooses every kernel once, here)."""
         if tensor_parallel is not None and (kv_cache_dtype != "auto" or _has_int8(params)):
             raise ValueError("tensor_parallel_size > 1 with an int8 KV cache or int8 weights "
                              "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
-        # XLA:CPU's storage form (model/storage.py); tensor parallelism splits stacked
-        # [L, in, out] matrices, and keeps every collective in the one scanned layer body.
-        per_layer = False if tensor_parallel is not None else None   # None: the platform's
-        params = storage.prepare(llama.stack_layers(params, matrices_per_layer=per_layer))
+        self.backend = attention.resolve_backend(attention_backend)
+        self.kv_cache_dtype = kv_cache_dtype
+        # The storage dtype: bf16 bits as uint16 on CPU (model/precision.py).
+        pool_dtype = precision.kv_pool_dtype(dtype, self.backend)
+        kv_dtype = (jnp.int8 if kv_cache_dtype == "int8" else
+                    pool_dtype if tensor_parallel is None else jnp.dtype(dtype))
+        # Every kernel of this engine, chosen once (the KV heads per device are the model's
+        # divided evenly, so the group and head_dim the kernels see are the model's).
+        self.kernels = kernel_seam.choose(model_cfg=model_cfg, dtype=dtype, pool_dtype=kv_dtype,
+                                          options=kernel_options,
+                                          tensor_parallel=tensor_parallel is not None)
+        kernel_seam.log_choice(self.kernels)
+        params = weight_forms.prepare(stack_layers(params), self.kernels.weight_form)
         if self.tp is not None:
             # The runner's config may have more KV heads (copies) than the checkpoint's.
             model_cfg, params = self.tp.prepare(model_cfg, params)
         self.model_cfg = model_cfg
         self.params = params
-        self.backend = attention.resolve_backend(attention_backend)
-        self.kv_cache_dtype = kv_cache_dtype
-        # (k, v), or (k, v, k_scales, v_scales) for an int8 cache: one pytree, donated whole.
+        # (k, v), plus their scales for an int8 cache: one pytree, donated whole.
         if self.tp is None:
-            # The storage dtype: bf16 bits as uint16 on CPU (model/precision.py, issue 27).
             self.pool = kv_cache.allocate_pool(model_cfg, sched_cfg.num_blocks, sched_cfg.block_size,
-                                               precision.kv_pool_dtype(dtype, self.backend),
-                                               kv_cache_dtype)
+                                               pool_dtype, kv_cache_dtype)
         else:
             self.pool = self.tp.allocate_pool(model_cfg, sched_cfg.num_blocks,
                                               sched_cfg.block_size, dtype)
-        # The backend, laying calls out for the kernels that will read this pool.
-        self.attention = attention.get_backend(self.backend).for_pool(self.pool[0].dtype,
-                                                                       model_cfg)
+        # The backend, laying calls out for the kernels it was handed.
+        self.attention = attention.get_backend(self.backend).with_kernels(self.kernels)
         chunks_per_call = self.attention.chunks_per_call
         self.layout = StepLayout(sched_cfg, self.attention, unified_step)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_cfg))
-        common = dict(cfg=model_cfg, backend=self.attention, inv_freq=self._inv_freq,
-                      per_shard=llama.unsharded if self.tp is None else self.tp.per_shard)
+        common = dict(cfg=model_cfg, backend=self.attention, kernels=self.kernels.kernels,
+                      inv_freq=self._inv_freq,
+                      per_shard=unsharded if self.tp is None else self.tp.per_shard)
+        sample = functools.partial(sampler.sample, argmax=self.kernels.argmax)
+        verify = functools.partial(sampler.sample_verified, argmax=self.kernels.argmax)
         functions = {  # kind -> (function, index of the donated pool argument or None,
             #                           number of outputs: the pool, when donated, is the last)
-            "decode": (functools.partial(_decode_forward, **common), 1, 2),
-            "prefill": (functools.partial(_prefill_forward, **common), 1, 3),
-            "mixed": (functools.partial(_mixed_forward, **common), 1, 4),
-            "sample": (functools.partial(_sample_and_keep, sampler.sample), None, None),
-            "verify_sample": (functools.partial(_sample_and_keep, sampler.sample_verified), None, None),
-            "prompt_logprobs": (functools.partial(_prompt_logprobs_step, cfg=model_cfg), None, None),
+            "decode": (functools.partial(decode_forward, **common), 1, 2),
+            "prefill": (functools.partial(prefill_forward, **common), 1, 3),
+            "mixed": (functools.partial(mixed_forward, **common), 1, 4),
+            "sample": (functools.partial(_sample_and_keep, sample), None, None),
+            "verify_sample": (functools.partial(_sample_and_keep, verify), None, None),
+            "prompt_logprobs": (functools.partial(prompt_logprobs_step, cfg=model_cfg), None, None),
         }
         # Each slot's last sampled token, on device: threaded through every sample call.
         self.kept_tokens = jnp.zeros(sched_cfg.max_num_seqs, jnp.int32)
@@ -205,8 +163,9 @@ class ModelRunner:
         if len(self.executables):
             raise RuntimeError("keep_sampling_probs() after compiling: the sample executables "
                                "would not return the probabilities")
-        self.executables.functions["sample"] = (functools.partial(_sample_and_keep, sampler.sample_with_probs),
-                                     None, None)
+        sample = functools.partial(sampler.sample_with_probs, argmax=self.kernels.argmax)
+        self.executables.functions["sample"] = (functools.partial(_sample_and_keep, sample),
+                                                None, None)
         self.kept_probs = {}
 
     # ---- executables ---------------------------------------------------------------------
@@ -253,9 +212,14 @@ class ModelRunner:
 
     def _model_args(self, key: tuple, call_args: tuple, call: ModelCall | None = None) -> tuple:
         # `call` (None at warm-up): for subclasses adding per-row inputs (jaxbatch/lora/runner.py).
-        if key[0] in ("decode", "mixed"):
-            return (self.params, self.pool, self.kept_tokens) + call_args
-        return (self.params, self.pool) + call_args
+        if key[0] == "decode":
+            inputs = DecodeInputs.of(self.kept_tokens, call_args)
+        elif key[0] == "mixed":
+            inputs = (DecodeInputs.of(self.kept_tokens, call_args[:DECODE_ARGS]),
+                      PrefillInputs.of(call_args[DECODE_ARGS:]))
+        else:
+            inputs = PrefillInputs.of(call_args)
+        return self.params, self.pool, inputs
 
     # ---- one engine step -----------------------------------------------------------------
     def _dispatch(self, call: ModelCall, bitmask_fn=None) -> list:
@@ -374,7 +338,7 @@ class DispatchedStep:
 
 
 def _has_int8(params) -> bool:
-    return any(is_quantized(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
+    return params_are_quantized(params)
 
 
 def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:

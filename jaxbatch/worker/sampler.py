@@ -23,6 +23,7 @@ unchanged by them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ import numpy as np
 
 from jaxbatch.core.plan import SamplingRow
 from jaxbatch.sampling_params import MAX_LOGPROBS
-from jaxbatch.worker.argmax import first_argmax
+from jaxbatch.worker.argmax import two_level_argmax
 from jaxbatch.worker.rejection_sampler import rejection_sample
 from pallas_kernels.ordered_sum import ordered_log_softmax, ordered_softmax
 
@@ -160,61 +161,65 @@ def _gumbel(s: SamplingArrays, vocab: int):
     return jax.vmap(gumbel)(s.seed, s.position)                                 # [N, V]
 
 
-def _random_choice(processed, s: SamplingArrays):
+def _random_choice(processed, s: SamplingArrays, argmax):
     scaled = _distribution(processed, s)
-    return first_argmax(scaled + _gumbel(s, scaled.shape[-1]))
+    return argmax(scaled + _gumbel(s, scaled.shape[-1]))
 
 
-def _random_choice_with_probs(processed, s: SamplingArrays):
+def _random_choice_with_probs(processed, s: SamplingArrays, argmax):
     """A draft model's sampled proposals: the token, and the distribution q it was drawn from
     (Gumbel-max over `scaled` samples exactly softmax(scaled))."""
     scaled = _distribution(processed, s)
-    tokens = first_argmax(scaled + _gumbel(s, scaled.shape[-1]))
+    tokens = argmax(scaled + _gumbel(s, scaled.shape[-1]))
     return tokens, ordered_softmax(scaled)
 
 
-def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs):
+def _verified_choice(processed, s: SamplingArrays, draft_token, draft_probs, argmax):
     """Rows with a sampled proposal (draft_token >= 0) go through the rejection step against
     this row's p; the others sample as plain decoding does. u comes from the row's (seed,
     position) key folded with a salt, independent of the Gumbel noise (the residual's) and of
     the draft's own noise (the draft samples under another seed)."""
     scaled = _distribution(processed, s)
     gumbel = _gumbel(s, scaled.shape[-1])
-    plain = first_argmax(scaled + gumbel)
+    plain = argmax(scaled + gumbel)
 
     def uniform(seed, position):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), VERIFY_SALT)
         return jax.random.uniform(key, (), jnp.float32)
     u = jax.vmap(uniform)(s.seed, s.position)                                   # [N]
     verified = rejection_sample(ordered_softmax(scaled), draft_probs,
-                                jnp.maximum(draft_token, 0), u, gumbel)
+                                jnp.maximum(draft_token, 0), u, gumbel, argmax)
     return jnp.where(draft_token >= 0, verified, plain)
 
 
-def sample(logits, s: SamplingArrays):
+def sample(logits, s: SamplingArrays, *, argmax=two_level_argmax):
     """logits [N, V] f32 -> (tokens [N], logprob of token [N], top ids [N, K], top logprobs [N, K]),
     K = MAX_LOGPROBS; logprobs are computed only when some row asks (`logprobs` set: its
     token's; above 0: the top-k too), zeros otherwise.
 
-    Log-probabilities are those of the model's raw distribution (as vLLM reports by default)."""
-    return _sample(logits, s, _random_choice)
+    Log-probabilities are those of the model's raw distribution (as vLLM reports by default).
+    `argmax`: the engine's (`worker/kernels.py`), every choice's first maximum."""
+    return _sample(logits, s, functools.partial(_random_choice, argmax=argmax), argmax)
 
 
-def sample_with_probs(logits, s: SamplingArrays):
+def sample_with_probs(logits, s: SamplingArrays, *, argmax=two_level_argmax):
     """`sample`, plus [N, V] f32: the distribution each row with temperature > 0 drew from
     (zeros when every row is greedy). Only a draft model sampling its proposals runs it."""
     def greedy(processed, s_):
         return jnp.zeros(processed.shape[0], jnp.int32), jnp.zeros_like(processed)
-    return _sample(logits, s, _random_choice_with_probs, greedy)
+    return _sample(logits, s, functools.partial(_random_choice_with_probs, argmax=argmax),
+                   argmax, greedy)
 
 
-def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs):
+def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs, *,
+                   argmax=two_level_argmax):
     """`sample` for a decode call verifying sampled proposals: draft_token [N] i32 (-1: the row
     verifies none), draft_probs [N, V] f32, the draft's q for that token (jaxbatch/worker/rejection_sampler.py)."""
-    return _sample(logits, s, lambda p, s_: _verified_choice(p, s_, draft_token, draft_probs))
+    return _sample(logits, s, lambda p, s_: _verified_choice(p, s_, draft_token, draft_probs,
+                                                             argmax), argmax)
 
 
-def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
+def _sample(logits, s: SamplingArrays, random_choice, argmax, all_greedy_choice=None):
     """`random_choice(processed, s)` -> tokens, or (tokens, extra) with `all_greedy_choice`
     giving the same structure when every row is greedy; extra is appended to the outputs.
     What only some requests ask for (penalties, a grammar, tokens held back by min_tokens,
@@ -226,22 +231,22 @@ def _sample(logits, s: SamplingArrays, random_choice, all_greedy_choice=None):
                     & ~jnp.any(s.banned >= 0))
 
     def plain(x, s_):
-        return (first_argmax(x),) + (() if all_greedy_choice is None else (jnp.zeros_like(x),))
+        return (argmax(x),) + (() if all_greedy_choice is None else (jnp.zeros_like(x),))
     tokens, *extra = jax.lax.cond(
         plain_greedy, plain,
-        lambda x, s_: _choose(x, s_, random_choice, all_greedy_choice), logits, s)
+        lambda x, s_: _choose(x, s_, random_choice, all_greedy_choice, argmax), logits, s)
     logprobs = jax.lax.cond(s.any_token_logprob, _logprobs, _no_logprobs,
                             logits, tokens, s.any_logprobs)
     return (tokens,) + logprobs + tuple(extra)
 
 
-def _choose(logits, s: SamplingArrays, random_choice, all_greedy_choice):
+def _choose(logits, s: SamplingArrays, random_choice, all_greedy_choice, argmax):
     """(tokens [N],) or (tokens, extra): `_sample`'s choice with every optional step."""
     processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
     processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
     processed = jax.lax.cond(jnp.any(s.banned >= 0), _hold_back, lambda x, b: x,
                              processed, s.banned)
-    greedy = first_argmax(processed)
+    greedy = argmax(processed)
     all_greedy = jnp.all(s.temperature == 0.0)
     extra = ()
     if all_greedy_choice is None:

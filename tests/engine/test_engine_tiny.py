@@ -71,20 +71,23 @@ def test_backends_agree_and_a_step_packs_its_prefill_chunks_into_one_call():
 
 
 def test_per_layer_weight_layout_gives_the_same_tokens():
-    """The two ways the layer scan reaches its matrices (model/llama.py) are the same model."""
-    from jaxbatch.model import llama
+    """The two ways the layer scan reaches its matrices (model/decoder.py, the engine's
+    weight_layout) are the same model."""
+    from jaxbatch.model.decoder import stack_layers
+    from jaxbatch.model.linear import PerLayer
     cfg, params = ours_from_hf(make_hf_model("llama_gqa4_bias", seed=4))
     prompts = random_token_prompts(np.random.default_rng(11), [4, 33, 70])
     sp = [SamplingParams(temperature=t, seed=3, max_tokens=12, ignore_eos=True)
           for t in (0.0, 0.0, 0.9)]
     tokens = []
     for per_layer in (False, True):
-        layered = llama.stack_layers(params, matrices_per_layer=per_layer)
-        assert isinstance(layered["layers"]["wq"], tuple) == per_layer
+        layered = stack_layers(params, matrices_per_layer=not per_layer)   # the engine re-forms
         loaded = LoadedModel(cfg, layered, tokenizer=None, source="tiny", load_seconds=0.0,
                              from_cache=False)
         engine = LLMEngine(loaded=loaded, max_num_seqs=2, max_model_len=128, warmup=False,
-                           compilation_cache=False)
+                           compilation_cache=False,
+                           weight_layout="per_layer" if per_layer else "stacked")
+        assert isinstance(engine.runner.params["layers"]["wo"], PerLayer) == per_layer
         tokens.append([o.outputs[0].token_ids for o in run_all(engine, prompts, sp)])
     assert tokens[0] == tokens[1]
 

@@ -19,7 +19,10 @@ import pytest
 
 from jaxbatch import SamplingParams
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.model import llama, precision
+from jaxbatch.model import precision
+from jaxbatch.model.decoder import stack_layers
+from jaxbatch.model.linear import Bf16Bits, Dense, OutIn, PerLayer
+from jaxbatch.worker.weight_forms import WeightForm, prepare, to_plain
 from jaxbatch.model.loader import LoadedModel
 from engines import tokens_and_logprobs
 from tiny_models import make_hf_model, ours_from_hf
@@ -47,12 +50,12 @@ def tiny_bf16_engine(request):
     """Both weight layouts (model/decoder.py): per layer and transposed is CPU's default."""
     name, layout = request.param
     cfg, params = ours_from_hf(make_hf_model(name, seed=3))
-    params = llama.stack_layers(params, matrices_per_layer=layout == "per_layer")
+    params = stack_layers(params, matrices_per_layer=layout == "per_layer")
     loaded = _bf16(LoadedModel(cfg, params, None, "tiny", 0.0, False))
     # Calls of at most 16 tokens: no activation [T, n] can share the shape of a weight, whose
     # dims are 32, 64 or 128 either way round.
     engine = LLMEngine(loaded=loaded, max_num_seqs=2, max_model_len=64, prefill_chunk_size=16,
-                       warmup=False, compilation_cache=False)
+                       warmup=False, compilation_cache=False, weight_layout=layout)
     return engine, loaded
 
 
@@ -79,7 +82,7 @@ def _layer_matrices(params) -> set[tuple[int, ...]]:
     one array of the per-layer tuple: [in, out], transposed or packed)."""
     out = set()
     for value in params["layers"].values():
-        if isinstance(value, tuple):
+        if isinstance(value, PerLayer):
             out |= {tuple(leaf.shape) for leaf in jax.tree.leaves(value)}
         else:
             out |= {tuple(leaf.shape[-2:]) for leaf in jax.tree.leaves(value) if leaf.ndim == 3}
@@ -88,7 +91,7 @@ def _layer_matrices(params) -> set[tuple[int, ...]]:
 
 def _head(params) -> tuple[int, ...]:
     """The shape of the matrix the LM head reads: packed, `lm_head` or the tied `embed`."""
-    for key in (precision.TIED_HEAD, "lm_head", "embed"):
+    for key in ("tied_head", "lm_head", "embed"):
         if key in params:
             return tuple(jax.tree.leaves(params[key])[0].shape)
 
@@ -120,7 +123,7 @@ def test_compiled_steps_have_bf16_dots_and_no_float32_weight_or_pool_copies(tiny
         bad = sorted({(n, s) for n, (t, s) in _shapes(text, materialized_only=True).items()
                       if (t == "f32" and (s in weights or s == pool)) or (t == "bf16" and s == pool)})
         assert not bad, (key, bad[:5])
-        if isinstance(runner.params["layers"]["wo"], tuple):
+        if isinstance(runner.params["layers"]["wo"], PerLayer):
             # Per layer, each dot reads its weight where it lies: no bf16 copy of any matrix
             # (the stacked layout copies every slice out of its stack: model/decoder.py).
             opcodes = dict(_OPCODE.findall(text))
@@ -172,29 +175,27 @@ def test_bf16_tiny_engine_matches_float32_closely(tiny_bf16_engine):
 def test_storage_bits_round_trip_and_dense_reads_them():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((2, 8, 4)), jnp.bfloat16)
-    params = {"embed": w[0], "layers": {"w": w, "norm": w[:, 0]}}
-    stored = precision.to_storage(params, platform="cpu")
-    assert stored["layers"]["w"].dtype == precision.BF16_BITS
+    params = {"embed": w[0], "layers": {"wq": w, "norm": w[:, 0]}}
+    cpu = WeightForm(bits=True)                         # stacked, as XLA:CPU reads them
+    stored = prepare(params, cpu)
+    assert isinstance(stored["layers"]["wq"], Bf16Bits)
+    assert stored["layers"]["wq"].bits.dtype == jnp.uint16
     assert stored["layers"]["norm"].dtype == jnp.bfloat16 and stored["embed"].dtype == jnp.bfloat16
-    assert precision.to_storage(stored, platform="cpu")["layers"]["w"] is stored["layers"]["w"]
-    assert precision.to_storage(params, platform="gpu") is params
-    host = precision.to_storage(jax.tree.map(np.asarray, params), platform="cpu")
-    np.testing.assert_array_equal(host["layers"]["w"], np.asarray(stored["layers"]["w"]))
+    assert prepare(stored, cpu)["layers"]["wq"] is stored["layers"]["wq"]
+    assert isinstance(prepare(params, WeightForm())["layers"]["wq"], Dense)
+    host = prepare(jax.tree.map(np.asarray, params), cpu)
+    np.testing.assert_array_equal(host["layers"]["wq"].bits, np.asarray(stored["layers"]["wq"].bits))
     x = jnp.asarray(rng.standard_normal((3, 8)), jnp.bfloat16)
-    np.testing.assert_array_equal(precision.dense(x, stored["layers"]["w"][1]),
-                                  precision.dense(x, w[1]))
-    assert precision.logical_dtype(stored["layers"]["w"]) == "bfloat16"
+    layer_1 = jax.tree.map(lambda a: a[1], stored["layers"]["wq"])     # the scan's slice
+    np.testing.assert_array_equal(layer_1.apply(x), Dense(w[1]).apply(x))
+    assert stored["layers"]["wq"].dtype_name == "bfloat16"
     # int8 quantization of a stored stack reads its values, not its bits.
-    from jaxbatch.model.quantize import quantize_matrix
-    for got, want in zip(jax.tree.leaves(quantize_matrix(precision.as_float(stored["layers"]["w"]))),
-                         jax.tree.leaves(quantize_matrix(w))):
-        np.testing.assert_array_equal(got, want)
-    from jaxbatch.model.quantize import quantize_params
-    q = quantize_params({**stored, "layers": {"wq": stored["layers"]["w"]}})["layers"]["wq"]
+    from jaxbatch.model.quantize import quantize_matrix, quantize_params
+    q = quantize_params(to_plain(stored))["layers"]["wq"]
     np.testing.assert_array_equal(q["int8"], quantize_matrix(w)["int8"])
     # float32 stays the plain float32 dot, bit for bit.
     x32, w32 = x.astype(jnp.float32), w[1].astype(jnp.float32)
-    np.testing.assert_array_equal(precision.dense(x32, w32), x32 @ w32)
+    np.testing.assert_array_equal(Dense(w32).apply(x32), x32 @ w32)
 
 
 def test_auto_dtype_follows_the_checkpoint_where_bf16_is_native(monkeypatch):
@@ -202,14 +203,12 @@ def test_auto_dtype_follows_the_checkpoint_where_bf16_is_native(monkeypatch):
     assert precision.checkpoint_dtype(embedded_gguf_path(), {"dtype": "float32"}) == "bfloat16"
     assert precision.checkpoint_dtype("/x/dir", {"torch_dtype": "float16"}) == "float16"
     for native, cpu in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setenv("JAXBATCH_CPU_BF16", "1" if native else "0")
-        precision.cpu_has_native_bf16.cache_clear()
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
         assert precision.auto_dtype("bfloat16", platform="cpu") == cpu
         assert precision.auto_dtype("bfloat16", platform="gpu") == "bfloat16"
         assert precision.auto_dtype("float32", platform="gpu") == "float32"
         assert precision.auto_dtype(None, platform="gpu") == "float32"
-    monkeypatch.delenv("JAXBATCH_CPU_BF16")
-    precision.cpu_has_native_bf16.cache_clear()
+    monkeypatch.undo()
     flags = open("/proc/cpuinfo").read()
     native = "amx_bf16" in flags or "avx512_bf16" in flags
     assert precision.cpu_has_native_bf16() == native
@@ -259,26 +258,27 @@ def test_per_layer_matrices_are_stored_transposed_and_restack_to_the_same_values
     rng = np.random.default_rng(1)
     w = [jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16) for _ in range(2)]
     norm = jnp.ones((2, 8), jnp.bfloat16)
-    params = {"embed": w[0], "layers": {"w": tuple(w), "norm": norm}}
-    stored = precision.to_storage(params, platform="cpu")
-    assert all(precision.is_out_in(m) and m[precision.OUT_IN].shape == (4, 8)
-               for m in stored["layers"]["w"])
+    params = {"embed": w[0], "layers": {"wq": tuple(w), "norm": norm}}
+    cpu = WeightForm(per_layer=True, transposed=True)
+    stored = prepare(params, cpu)
+    assert all(isinstance(m, OutIn) and m.w.shape == (4, 8) for m in stored["layers"]["wq"].layers)
     assert stored["layers"]["norm"] is norm
-    assert precision.to_storage(stored, platform="cpu")["layers"]["w"][0] is stored["layers"]["w"][0]
-    assert precision.to_storage(params, platform="gpu") is params
-    assert precision.in_out_shape(stored["layers"]["w"][1]) == (8, 4) == precision.in_out_shape(w[1])
-    host = precision.to_storage(jax.tree.map(np.asarray, params), platform="cpu")
-    np.testing.assert_array_equal(host["layers"]["w"][1][precision.OUT_IN], np.asarray(w[1]).T)
+    assert prepare(stored, cpu)["layers"]["wq"] is stored["layers"]["wq"]
+    assert not isinstance(prepare(params, WeightForm(per_layer=True))["layers"]["wq"].layers[0],
+                          OutIn)
+    assert stored["layers"]["wq"].layers[1].in_out == (8, 4)
+    host = prepare(jax.tree.map(np.asarray, params), cpu)
+    np.testing.assert_array_equal(host["layers"]["wq"].layers[1].w, np.asarray(w[1]).T)
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng.standard_normal((5, 8)), dtype)
-        got = precision.dense(x, precision.to_storage(
-            {"layers": {"w": (w[1].astype(dtype),)}}, platform="cpu")["layers"]["w"][0])
+        got = prepare({"layers": {"wq": (w[1].astype(dtype),)}, "embed": w[0]},
+                      cpu)["layers"]["wq"].layers[0].apply(x)
         np.testing.assert_allclose(np.asarray(got, np.float32),
-                                   np.asarray(precision.dense(x, w[1].astype(dtype)), np.float32),
+                                   np.asarray(Dense(w[1].astype(dtype)).apply(x), np.float32),
                                    rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
     # Tensor parallelism's stacked [L, in, out] from the stored form, values unchanged.
-    restacked = llama.stack_layers(stored, matrices_per_layer=False)["layers"]["w"]
+    restacked = prepare(stored, WeightForm())["layers"]["wq"].to_float()
     np.testing.assert_array_equal(np.asarray(restacked), np.stack([np.asarray(m) for m in w]))
     from jaxbatch.model.quantize import quantize_matrix, quantize_params
-    q = quantize_params({"layers": {"wq": stored["layers"]["w"]}})["layers"]["wq"][1]
+    q = quantize_params(to_plain(stored))["layers"]["wq"][1]
     np.testing.assert_array_equal(q["int8"], quantize_matrix(w[1])["int8"])

@@ -16,7 +16,7 @@ import torch
 from jaxbatch.model.registry import config_from_hf
 from jaxbatch.worker import kv_cache
 from jaxbatch.worker.attention import get_backend
-from jaxbatch.model import llama
+import forward_helpers
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 from tiny_models import VARIANTS, make_hf_model, ours_from_hf
@@ -32,8 +32,9 @@ def _prefill_fn(cfg):
     def run(params, pool, tokens, positions, slots, pages, kv_len, cu):
         meta = (kv_len, pages, cu, jnp.ones(1, jnp.int32))              # one sequence
         attend = get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
-        hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend, inv_freq)
-        return llama.compute_logits(params, hidden), pool
+        hidden, pool = forward_helpers.forward_hidden(params, cfg, pool, tokens, positions, slots,
+                                                      attend, inv_freq)
+        return forward_helpers.compute_logits(params, hidden), pool
     return run
 
 
@@ -139,9 +140,7 @@ def test_load_hf_directory_and_cache(tiny_hf_dir, tmp_path, monkeypatch):
 def test_bfloat16_dtype(tiny_hf_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXBATCH_CACHE", str(tmp_path / "cache"))
     loaded = load_model(tiny_hf_dir[0], dtype="bfloat16")
-    # On CPU the stacked layer matrices hold bf16 as uint16 bits (jaxbatch/model/precision.py).
-    from jaxbatch.model.precision import logical_dtype
-    assert all(logical_dtype(leaf) == "bfloat16" for leaf in jax.tree.leaves(loaded.params))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(loaded.params))
     with pytest.raises(ValueError, match="dtype"):
         load_model(tiny_hf_dir[0], dtype="int3")
 

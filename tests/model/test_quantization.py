@@ -8,10 +8,11 @@ import pytest
 
 from jaxbatch.model.registry import config_from_hf
 from jaxbatch.worker import kv_cache
-from jaxbatch.model import llama
+from jaxbatch.model.decoder import stack_layers
+from jaxbatch.model.linear import Int8
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.quantize import (QUANTIZED_MATRICES, check_quantization, dequantize_matrix,
-                                     int8_matmul, params_are_quantized, quantize_matrix,
+                                     params_are_quantized, quantize_matrix,
                                      quantize_params)
 from pallas_kernels.int8 import dequantize_int8, quantize_int8, write_kv_int8
 
@@ -51,7 +52,7 @@ def test_weight_scale_is_per_output_channel(rng):
 def test_int8_matmul_equals_dequantize_then_matmul(rng, dtype, tol):
     x = jnp.asarray(rng.standard_normal((7, 48)), dtype)
     qw = quantize_matrix(rng.standard_normal((48, 24)).astype(np.float32))
-    got = np.asarray(int8_matmul(x, qw).astype(jnp.float32))
+    got = np.asarray(Int8(qw["int8"], qw["scale"]).apply(x).astype(jnp.float32))
     want = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize_matrix(qw),
                               precision="highest"))
     assert got.shape == (7, 24)
@@ -70,9 +71,9 @@ def test_quantize_params_covers_the_layer_matrices_only_and_is_idempotent(rng):
     assert q["embed"] is params["embed"] and q["layers"][0]["attn_norm"] is layer["attn_norm"]
     assert quantize_params(q)["layers"][0]["wq"] is q["layers"][0]["wq"]
     # Stacked and per-layer layouts of the quantized matrices.
-    stacked = llama.stack_layers(q, matrices_per_layer=False)["layers"]
+    stacked = stack_layers(q, matrices_per_layer=False)["layers"]
     assert stacked["wq"]["int8"].shape == (2, 8, 8) and stacked["wq"]["scale"].shape == (2, 8)
-    per_layer = llama.stack_layers(q, matrices_per_layer=True)["layers"]
+    per_layer = stack_layers(q, matrices_per_layer=True)["layers"]
     assert isinstance(per_layer["wq"], tuple) and len(per_layer["wq"]) == 2
     assert params_are_quantized({"layers": per_layer})
 

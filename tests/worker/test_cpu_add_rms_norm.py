@@ -1,7 +1,7 @@
 """The residual add + RMSNorm kernel (`cpu_kernels/add_rms_norm.cc`): bit for bit its spec,
 written here in numpy float32 (the sum rounded to bf16, `ordered_sum`'s tree, IEEE sqrt and
 division, every step rounded on its own); within a bf16 step of the jnp form that other
-platforms run (`layers.add_rms_norm`, where XLA:CPU approximates sqrt and division), the sums
+platforms run (`norms.add_rms_norm`, where XLA:CPU approximates sqrt and division), the sums
 identical; the same bits whatever the batch; and where the decoder uses it. Skipped, with the
 reason, where the kernel cannot run (no AVX512-BF16, no g++)."""
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import add_rms_norm as kernel
-from jaxbatch.model import layers
-from pallas_kernels.availability import lower_for_cuda
+from jaxbatch.model import norms
 
 REASON = kernel.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
@@ -50,7 +49,7 @@ def _spec(x, h, w, offset):
 
 @functools.partial(jax.jit, static_argnums=3)
 def _jnp_form(x, h, w, offset):
-    return layers.add_rms_norm(x, h, w, EPS, offset)
+    return norms.add_rms_norm(x, h, w, EPS, offset)
 
 
 def _case(seed, t, d, scale):
@@ -91,7 +90,7 @@ def test_the_jnp_form_rounds_the_sum_before_the_norm():
     x, h, w = _case(5, 64, 576, 1.0)
     _, fused_norm = _jnp_form(x, h, w, 0.0)
     total = jax.jit(jnp.add)(x, h)
-    _, apart = jax.jit(lambda t, w: layers.add_rms_norm(t, jnp.zeros_like(t), w, EPS))(total, w)
+    _, apart = jax.jit(lambda t, w: norms.add_rms_norm(t, jnp.zeros_like(t), w, EPS))(total, w)
     np.testing.assert_array_equal(_bits(fused_norm), _bits(apart))
 
 
@@ -112,15 +111,27 @@ def test_refuses_what_it_does_not_cover():
         kernel.add_rms_norm(x, h[:, :32], w, EPS)
 
 
-def test_layers_takes_the_kernel_on_cpu_and_jnp_elsewhere():
+def test_the_seam_takes_the_kernel_on_cpu_and_jnp_elsewhere():
+    """The engine's add + norm (`worker/kernels.py`): the kernel for a bf16 model on CPU, the
+    jnp form for a GPU, a float32 model or kernels turned off; float32 activations handed to
+    the kernel's entry keep jnp."""
+    from jaxbatch.model.config import ModelConfig
+    from jaxbatch.worker.kernels import KernelOptions, choose
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32)
     x, h, w = _case(3, 8, 64, 1.0)
-    fn = lambda x, h, w: layers.add_rms_norm(x, h, w, EPS, 0.0, kernel=True)
-    assert "jaxbatch_add_rms_norm" in jax.jit(fn).lower(x, h, w).as_text()
-    assert "jaxbatch_add_rms_norm" not in lower_for_cuda(fn, x, h, w).as_text()
-    plain = lambda x, h, w: layers.add_rms_norm(x, h, w, EPS, 0.0)
-    assert "jaxbatch_add_rms_norm" not in jax.jit(plain).lower(x, h, w).as_text()
+
+    def text(*args, **how):
+        choice = choose(model_cfg=cfg, pool_dtype=jnp.uint16, **how)
+        fn = lambda x, h, w: choice.kernels.add_norm(x, h, w, EPS, 0.0)
+        return jax.jit(fn).lower(*args).as_text()
+    assert "jaxbatch_add_rms_norm" in text(x, h, w, dtype=jnp.bfloat16)
+    assert "jaxbatch_add_rms_norm" not in text(x, h, w, dtype=jnp.bfloat16, platform="gpu")
+    assert "jaxbatch_add_rms_norm" not in text(x, h, w, dtype=jnp.float32)
+    assert "jaxbatch_add_rms_norm" not in text(x, h, w, dtype=jnp.bfloat16,
+                                                options=KernelOptions(cpu_kernels="off"))
     f32 = [a.astype(jnp.float32) for a in (x, h, w)]            # float32 models keep jnp
-    assert "jaxbatch_add_rms_norm" not in jax.jit(fn).lower(*f32).as_text()
+    assert "jaxbatch_add_rms_norm" not in text(*f32, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("dtype,expected", [("bfloat16", True), ("float32", False)])
@@ -129,14 +140,16 @@ def test_the_engines_bf16_step_calls_it(dtype, expected):
     and norm is the kernel, 2 per layer and the final one; float32 keeps XLA's ops."""
     from jaxbatch.engine.llm_engine import LLMEngine
     from jaxbatch.model.loader import load_model
-    from jaxbatch.model import llama
+    from forward_helpers import forward_hidden
     loaded = load_model(dtype=dtype)
     engine = LLMEngine(loaded=loaded, max_num_seqs=2, max_model_len=64, warmup=False,
                        async_scheduling=False)
     cfg, params = engine.model_config, engine.runner.params
     tokens = jnp.zeros((4,), jnp.int32)
-    hlo = jax.jit(lambda p, pool: llama.forward_hidden(
-        p, cfg, pool, tokens, tokens, tokens, lambda q, *a, **k: q, engine.runner._inv_freq)[0]
+    kernels = engine.runner.kernels.kernels
+    hlo = jax.jit(lambda p, pool: forward_hidden(
+        p, cfg, pool, tokens, tokens, tokens, lambda q, *a, **k: q, engine.runner._inv_freq,
+        kernels=kernels, form=engine.runner.kernels.weight_form)[0]
     ).lower(params, engine.runner.pool).as_text()
     # two calls in the scanned layer, the final norm's after it
     calls = hlo.count("stablehlo.custom_call @jaxbatch_add_rms_norm(")

@@ -58,15 +58,24 @@ def test_refuses_what_it_does_not_cover():
 
 
 def test_every_sampling_path_takes_it_on_cpu_and_jnp_elsewhere():
-    """`argmax.first_argmax` lowers to the kernel on CPU (greedy, Gumbel-max and the
-    rejection step's resample all call it), to the jnp form for a GPU and for other dtypes."""
-    from pallas_kernels.availability import lower_for_cuda
+    """The engine's argmax (`worker/kernels.py`) is the kernel on CPU (greedy, Gumbel-max and
+    the rejection step's resample all call it), the jnp form for a GPU and for other dtypes."""
+    import functools
+    from jaxbatch.model.config import ModelConfig
     from jaxbatch.worker import sampler
+    from jaxbatch.worker.kernels import choose
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32)
+    on_cpu = choose(model_cfg=cfg, dtype=jnp.float32, pool_dtype=jnp.float32).argmax
+    on_gpu = choose(model_cfg=cfg, dtype=jnp.float32, pool_dtype=jnp.float32,
+                    platform="gpu").argmax
+    assert on_gpu is argmax.two_level_argmax
     x = jnp.zeros((4, 300), jnp.float32)
-    assert kernel.TARGET in jax.jit(argmax.first_argmax).lower(x).as_text()
-    assert kernel.TARGET not in lower_for_cuda(argmax.first_argmax, x).as_text()
-    assert kernel.TARGET not in jax.jit(argmax.first_argmax).lower(x.astype(jnp.bfloat16)).as_text()
+    assert kernel.TARGET in jax.jit(on_cpu).lower(x).as_text()
+    assert kernel.TARGET not in jax.jit(on_gpu).lower(x).as_text()
+    assert kernel.TARGET not in jax.jit(on_cpu).lower(x.astype(jnp.bfloat16)).as_text()
     rows = [None] * 4
     arrays = sampler.build_sampling_arrays(rows, 16, vocab_size=300)
-    text = jax.jit(sampler.sample).lower(x, arrays).as_text()
+    sample = functools.partial(sampler.sample, argmax=on_cpu)
+    text = jax.jit(sample).lower(x, arrays).as_text()
     assert text.count(f"@{kernel.TARGET}(") >= 2          # the plain greedy branch and _choose's

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import packed_gemm
-from jaxbatch.model.layers import SILU_EPILOGUE_MIN_ROWS
+from jaxbatch.worker.weight_forms import SILU_EPILOGUE_MIN_ROWS
 
 REASON = packed_gemm.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
@@ -92,7 +92,7 @@ def test_bf16_out_is_the_float32_result_rounded(m, k, n):
 def _silu_mul_reference(x, packed):
     """What the model computes without the epilogue: the bf16 GEMM, split, then
     `layers.activation` times up."""
-    from jaxbatch.model.layers import activation
+    from jaxbatch.model.linear import activation
     gate, up = jnp.split(packed_gemm.matmul(x, packed, jnp.bfloat16), 2, axis=-1)
     return activation(gate, "silu") * up
 
@@ -167,9 +167,11 @@ def test_refuses_what_it_does_not_cover():
                            jnp.asarray(packed_gemm.pack(np.zeros((8, 16), jnp.bfloat16))))
 
 
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")
-    assert "JAXBATCH_CPU_KERNELS=0" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
+def test_the_option_turns_it_off():
+    from engines import tiny_engine_in
+    engine = tiny_engine_in(jnp.bfloat16, cpu_kernels="off")
+    assert "cpu_kernels='off'" in engine.stats()["kernels"]["matmul"]
+    assert engine.stats()["matmuls"] == "XLA dots"
 
 
 def _compiled_texts(engine):

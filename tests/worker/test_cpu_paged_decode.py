@@ -137,9 +137,8 @@ def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeyp
     assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
     assert f'"{target}"' in _decode_text(with_kernel)      # the exact target name
     outs = run_all(with_kernel, prompts, params)
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
-    plain = tiny_engine_in(dtype)
-    assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["decode_attention"]
+    plain = tiny_engine_in(dtype, cpu_kernels="off")
+    assert "cpu_kernels='off'" in plain.stats()["decode_attention"]
     assert f'"{target}"' not in _decode_text(plain)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"

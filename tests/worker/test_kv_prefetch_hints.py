@@ -122,14 +122,13 @@ def test_turned_off_nothing_is_published():
 def test_the_xla_backend_passes_the_distance_to_the_next_layer():
     cfg = ModelConfig(vocab_size=64, hidden_size=HEADS * D, intermediate_size=64,
                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KVH, head_dim=D)
-    backend = WorkListBackend().for_pool(jnp.uint16, cfg)
+    from jaxbatch.worker.kernels import choose
+    backend = WorkListBackend().with_kernels(choose(model_cfg=cfg, dtype=jnp.bfloat16,
+                                                    pool_dtype=jnp.uint16))
     q, k, v, items, lengths, _ = _case(jnp.bfloat16)
-    assert backend.next_layer_blocks(k) == BLOCKS
     attend = backend.decode_attend(items + (lengths,), 0.5)
     hlo = jax.jit(attend).lower(q, k, v, jnp.int32(0)).as_text()
     assert f"next_layer_blocks = {BLOCKS}" in hlo, hlo[-2000:]
-    # a backend that does not know the pool's layers publishes nothing
-    assert WorkListBackend().next_layer_blocks(k) == 0
 
 
 def test_a_publication_stops_at_its_byte_cap():

@@ -13,9 +13,11 @@ from cpu_kernels import paged_prefill
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.core.plan import PrefillChunk, SamplingRow, StepPlan
 from jaxbatch.model.config import ModelConfig
+from jaxbatch.worker.kernels import choose
 from jaxbatch.worker.attention.work_lists import WorkListBackend
 from jaxbatch.worker.step_inputs import StepLayout
 from pallas_kernels.reference import keys_as_stored
+from pallas_kernels.xla_paged_attention import tiled_prefill_attention_xla
 
 CFG = SchedulerConfig(max_num_seqs=4, block_size=8, num_blocks=40, max_model_len=128,
                       max_num_batched_tokens=128, prefill_chunk_size=64)
@@ -75,7 +77,10 @@ def _pool_and_q(rng, tokens, bf16):
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32_pool", "bf16_pool"])
 @pytest.mark.parametrize("packed", [False, True], ids=["tiles_in_the_call", "packed"])
 def test_each_prefill_layout_attends_causally_over_its_pages(packed, bf16):
-    backend = WorkListBackend(packed_prefill=packed)
+    # The packed layout with the C++ kernel on bf16 pages, with the jnp tiles on float32 ones.
+    jnp_tiles = lambda *a, scale, window: tiled_prefill_attention_xla(*a, scale=scale)
+    kernel = paged_prefill.paged_prefill_attention if bf16 else jnp_tiles
+    backend = WorkListBackend(prefill_kernel=kernel if packed else None)
     layout = StepLayout(CFG, backend)
     plan = _plan()
     [group] = layout.pack_prefills(plan.prefills)
@@ -105,17 +110,20 @@ def test_the_runner_packs_prefill_only_where_the_kernel_reads_the_pool():
     import jax.numpy as jnp
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
                       num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    def backend(pool_dtype):
+        choice = choose(model_cfg=cfg, dtype=jnp.bfloat16, pool_dtype=pool_dtype)
+        return WorkListBackend().with_kernels(choice)
     for pool_dtype in (jnp.float32, jnp.int8, jnp.bfloat16):
-        assert not WorkListBackend().for_pool(pool_dtype, cfg).packed_prefill
-    bits = WorkListBackend().for_pool(jnp.uint16, cfg)
+        assert not backend(pool_dtype).packed_prefill
+    bits = backend(jnp.uint16)
     kernel_runs = (paged_prefill.why_not(jnp.uint16, HEADS, KV_HEADS, HEAD_DIM) is None
                    and jax.default_backend() == "cpu")
     assert bits.packed_prefill == kernel_runs
     assert bits.prefill_align == (1 if kernel_runs else 16)
     # Aligned calls keep buckets that are whole tiles.
-    tiled = StepLayout(CFG, WorkListBackend(packed_prefill=False))
+    tiled = StepLayout(CFG, WorkListBackend())
     assert all(t % 16 == 0 for t in tiled.prefill_token_buckets())
-    packed = StepLayout(CFG, WorkListBackend(packed_prefill=True))
+    packed = StepLayout(CFG, WorkListBackend(prefill_kernel=paged_prefill.paged_prefill_attention))
     assert set(tiled.prefill_token_buckets()) < set(packed.prefill_token_buckets())
     # A bucket of partial tiles is refused, not split into tiles of another size.
     with pytest.raises(AssertionError):

@@ -5,7 +5,7 @@ sequences out as the arrays its kernels read (`decode_metadata`, `prefill_metada
 placeholders for warm-up, and the shape keys they produce); on the device, the `attend`
 functions the model calls with those arrays (`decode_attend`, `prefill_attend`: each returns
 `attend(q, k_pages, v_pages, block_offset, scales=None) -> out` for
-`model.llama.forward_hidden`; models with sliding windows also pass `window`, the layer's
+`model.decoder.forward_hidden`; models with sliding windows also pass `window`, the layer's
 int32 scalar from the layer scan (a query at position p sees keys p - window < pos <= p, as
 HF masks), and Gemma 2 `soft_cap`, a static float). `step_inputs.StepLayout` and the runner only ever talk to this
 interface; each backend is one file (`work_lists.py`: xla; `block_tables.py`: reference and
@@ -38,10 +38,11 @@ class AttentionBackend:
     # key per pair of them.
     mixed_calls: bool = False
 
-    def for_pool(self, pool_dtype, model_cfg) -> "AttentionBackend":
-        """This backend as it lays out calls on a pool of `pool_dtype` for `model_cfg`: the
-        runner asks once, before building its `StepLayout`, so a backend may pick the layout
-        its kernels read fastest."""
+    def with_kernels(self, choice) -> "AttentionBackend":
+        """This backend running the engine's kernels (`worker/kernels.py` `KernelChoice`): the
+        runner asks once, before building its `StepLayout`, so a backend may lay calls out
+        as the kernels it is handed read them fastest. Backends with kernels of their own
+        (the Pallas ones) keep them."""
         return self
 
     # ---- host: shapes --------------------------------------------------------------------
@@ -80,11 +81,11 @@ class AttentionBackend:
     def prefill_attend(self, meta, scale: float):
         raise NotImplementedError
 
-    def decode_kernel(self, pool_dtype, model_cfg) -> str:
+    def decode_kernel_name(self, pool_dtype, model_cfg) -> str:
         """What runs decode attention for a pool of `pool_dtype` (stats())."""
         return f"{self.name} backend"
 
-    def prefill_kernel(self, pool_dtype, model_cfg) -> str:
+    def prefill_kernel_name(self, pool_dtype, model_cfg) -> str:
         """What runs prefill attention for a pool of `pool_dtype` (stats())."""
         return f"{self.name} backend"
 

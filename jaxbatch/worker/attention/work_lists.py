@@ -6,24 +6,22 @@ the context length is no part of a call's shape: one executable per decode row c
 sized for every row at full length) and per prefill token count (tables spanning
 max_pages_per_seq).
 
-Its prefill layout follows the kernel that will read it (`for_pool`). Every chunk's tokens
-must start a query tile of their own. Where the C++ prefill kernel runs (bf16 pools on a CPU
-that builds it), the call packs tokens back to back, as the model's matmuls want them, and
+Its kernels are the engine's (`worker/kernels.py` hands them over, `with_kernels`): a decode
+and a prefill attention function each, or None for the jnp forms here. Its prefill layout
+follows the prefill kernel it was handed. Every chunk's tokens must start a query tile of
+their own. With a prefill kernel (the C++ one skips whole tiles of padding) the call packs
+tokens back to back, as the model's matmuls want them, and
 attention alone gathers q into the tiled layout (`tiled_rows` rows: up to PREFILL_TILE - 1
 rows of padding per chunk) and its result back out: the kernel skips a tile of padding, so
-the matmuls compute no padding tokens and attention none either. Elsewhere (float32 and int8
-pools, other platforms) the jnp tiles compute every row they are given, so the call itself
-starts each chunk on a tile (`prefill_align`): no gathers, and only its bucket's padding.
+the matmuls compute no padding tokens and attention none either. Without one the jnp tiles
+compute every row they are given, so the call itself starts each chunk on a tile
+(`prefill_align`): no gathers, and only its bucket's padding.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import paged_decode, paged_prefill
 from jaxbatch.worker.attention.base import AttentionBackend, scale_kwargs
 from pallas_kernels import xla_paged_attention
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM, PREFILL_TILE, decode_work_items
@@ -40,20 +38,23 @@ class WorkListBackend(AttentionBackend):
     name = "xla"
     mixed_calls = True          # one decode size per row count, one prefill size per token count
 
-    def __init__(self, packed_prefill: bool = False, num_layers: int = 0):
-        self.packed_prefill = packed_prefill
-        # The pool's layers (0: unknown): the C++ decode kernel tells the GEMMs after it which
-        # pages the next layer reads (cpu_kernels/kv_hints.py), num_blocks further on.
-        self.num_layers = num_layers
-        self.prefill_align = 1 if packed_prefill else PREFILL_TILE
+    def __init__(self, decode_kernel=None, prefill_kernel=None, kernel_names=("", "")):
+        """`decode_kernel(q, k_pages, v_pages, item_slot, item_pages, item_first_pos, lengths,
+        *, scale, window)` and `prefill_kernel(q, k_pages, v_pages, query_pos, tile_pages, *,
+        scale, window)`: the engine's attention kernels, None for the jnp forms;
+        `kernel_names`: what runs each, for stats()."""
+        self.decode_kernel, self.prefill_kernel = decode_kernel, prefill_kernel
+        self.kernel_names = kernel_names
+        self.packed_prefill = prefill_kernel is not None
+        self.prefill_align = 1 if self.packed_prefill else PREFILL_TILE
         # Aligned calls keep the 1.5x steps, every one a whole number of tiles (40 and 56
         # are not), and the executables of the layout they had before packing.
-        self.prefill_bucket_quarters = (5, 6, 7) if packed_prefill else (6,)
+        self.prefill_bucket_quarters = (5, 6, 7) if self.packed_prefill else (6,)
 
-    def for_pool(self, pool_dtype, model_cfg):
-        reason = _prefill_kernel_reason(pool_dtype, model_cfg)
-        return WorkListBackend(packed_prefill=reason is None and jax.default_backend() == "cpu",
-                               num_layers=model_cfg.num_layers)
+    def with_kernels(self, choice):
+        names = choice.describe()
+        return WorkListBackend(choice.decode_attention, choice.prefill_attention,
+                               (names["decode_attention"], names["prefill_attention"]))
 
     def prefill_rows(self, tokens: int) -> int:
         """Rows of the tiled layout attention reads for a call of `tokens` tokens."""
@@ -118,26 +119,18 @@ class WorkListBackend(AttentionBackend):
         item_slot, item_pages, item_first_pos, lengths = meta
 
         def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
-            kernel = functools.partial(paged_decode.paged_decode_attention,
-                                       next_layer_blocks=self.next_layer_blocks(k_pages))
-            return _kernel_or_jnp(paged_decode.why_not, kernel,
-                                  xla_paged_attention.paged_decode_attention_xla,
-                                  (q, k_pages, v_pages, item_slot, item_pages + off,
-                                   item_first_pos, lengths), scale, scales, window, soft_cap)
+            args = (q, k_pages, v_pages, item_slot, item_pages + off, item_first_pos, lengths)
+            if self.decode_kernel is None:
+                return xla_paged_attention.paged_decode_attention_xla(
+                    *args, scale=scale, **scale_kwargs(scales, window, soft_cap))
+            return self.decode_kernel(*args, scale=scale, window=window)
         return attend
 
-    def next_layer_blocks(self, k_pages) -> int:
-        """How far the next layer's blocks lie in the folded pool (0: unknown)."""
-        return k_pages.shape[1] // self.num_layers if self.num_layers else 0
+    def decode_kernel_name(self, pool_dtype, model_cfg) -> str:
+        return self.kernel_names[0] or "jnp work lists"
 
-    def decode_kernel(self, pool_dtype, model_cfg) -> str:
-        reason = paged_decode.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
-                                      model_cfg.head_dim, model_cfg.attn_soft_cap)
-        return f"jnp work lists ({reason})" if reason else "cpu_kernels.paged_decode"
-
-    def prefill_kernel(self, pool_dtype, model_cfg) -> str:
-        reason = _prefill_kernel_reason(pool_dtype, model_cfg)
-        return f"jnp query tiles ({reason})" if reason else "cpu_kernels.paged_prefill"
+    def prefill_kernel_name(self, pool_dtype, model_cfg) -> str:
+        return self.kernel_names[1] or "jnp query tiles"
 
     def prefill_attend(self, meta, scale):
         """meta = (tile_pos [R], tile_pages [R / PREFILL_TILE, P]), the tiled layout's
@@ -148,34 +141,17 @@ class WorkListBackend(AttentionBackend):
         def attend(q, k_pages, v_pages, off, scales=None, window=None, soft_cap=None):
             if gathers:
                 q = jnp.take(q, gathers[0], axis=0, mode="fill", fill_value=0)    # [R, H, D]
-            out = _kernel_or_jnp(paged_prefill.why_not, paged_prefill.paged_prefill_attention,
-                                 xla_paged_attention.tiled_prefill_attention_xla,
-                                 (q, k_pages, v_pages, tile_pos, tile_pages + off), scale,
-                                 scales, window, soft_cap)
+            args = (q, k_pages, v_pages, tile_pos, tile_pages + off)
+            if self.prefill_kernel is None:
+                out = xla_paged_attention.tiled_prefill_attention_xla(
+                    *args, scale=scale, **scale_kwargs(scales, window, soft_cap))
+            else:
+                out = self.prefill_kernel(*args, scale=scale, window=window)
             if gathers:
                 out = jnp.take(out, gathers[1], axis=0, mode="fill", fill_value=0)  # [T, H, D]
             return out
         return attend
 
     def __repr__(self) -> str:
-        return (f"WorkListBackend({self.name!r}, packed_prefill={self.packed_prefill}, "
-                f"num_layers={self.num_layers})")
-
-
-def _prefill_kernel_reason(pool_dtype, model_cfg) -> str | None:
-    """Why the C++ prefill kernel does not cover a pool of `pool_dtype` here, or None."""
-    return paged_prefill.why_not(pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads,
-                                 model_cfg.head_dim, model_cfg.attn_soft_cap)
-
-
-def _kernel_or_jnp(why_not, kernel_fn, jnp_fn, args, scale, scales, window, soft_cap):
-    """A `cpu_kernels` attention kernel (`kernel_fn`) where it covers this call's pool and
-    heads on this machine (`why_not` is None): one custom call per layer instead of XLA's loop
-    of small ops. The same function lowered for another platform, and any call the kernel does
-    not cover (int8 pools, the only ones with scales, among them), keep `jnp_fn`."""
-    q, k_pages = args[0], args[1]
-    jnp_path = lambda *a: jnp_fn(*a, scale=scale, **scale_kwargs(scales, window, soft_cap))
-    if why_not(k_pages.dtype, q.shape[1], k_pages.shape[0], q.shape[2], soft_cap):
-        return jnp_path(*args)
-    kernel = lambda *a: kernel_fn(*a, scale=scale, window=window)
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=jnp_path)
+        return (f"WorkListBackend({self.name!r}, decode={self.kernel_names[0] or 'jnp'!r}, "
+                f"prefill={self.kernel_names[1] or 'jnp'!r})")

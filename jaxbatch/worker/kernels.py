@@ -1,0 +1,170 @@
+"""The kernel seam: what runs each heavy operation of an engine, chosen once, with the reason.
+
+    matmul              the weights' form (`weight_forms.py`): packed for our C++ GEMM
+                        (`cpu_kernels.packed_gemm`, its silu * up epilogue included), or the
+                        forms XLA's dots read best
+    add_norm            a residual add and the RMSNorm after it: `cpu_kernels.add_rms_norm`
+                        (bf16) or jnp
+    decode_attention    the xla backend's decode attention: `cpu_kernels.paged_decode` or jnp
+                        work lists (other backends bring their own kernels)
+    prefill_attention   the xla backend's prefill attention: `cpu_kernels.paged_prefill` or jnp
+                        query tiles; the backend lays a call out for the one it is handed
+    argmax              every sampling path's first maximum: `cpu_kernels.first_argmax`
+                        (float32 logits) or jnp
+    kv_prefetch         the C++ decode attention naming the next layer's pages to the GEMMs
+                        that run before that layer's attention (a hint: results are the same
+                        either way; it lives inside the kernels, so a layer order that puts no
+                        GEMM between two attentions simply loses it)
+
+`choose` decides from the platform, the dtypes, the model and the options (`KernelOptions`:
+`EngineConfig`'s cpu_kernels, kv_prefetch and weight_layout); `KernelChoice.reasons` says why
+each entry is what it is (logged once at start-up, `stats()["kernels"]`). The C++ kernels are
+chosen only on a CPU, so nothing below them needs a platform switch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels import add_rms_norm, first_argmax, kv_hints, packed_gemm, paged_decode, paged_prefill
+from jaxbatch.model import norms
+from jaxbatch.model.config import ModelConfig
+from jaxbatch.model.kernels import Kernels
+from jaxbatch.worker.argmax import two_level_argmax
+from jaxbatch.worker.weight_forms import WeightForm
+
+logger = logging.getLogger(__name__)
+
+CPU_KERNEL_MODES = ("auto", "off", "required")
+WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    cpu_kernels: str = "auto"       # auto: where they run; off: never; required: or an error
+    kv_prefetch: bool = True
+    weight_layout: str = "auto"     # auto: per layer on CPU, stacked elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    kernels: Kernels                        # what the model calls (model/kernels.py)
+    weight_form: WeightForm                 # the matrices' form (weight_forms.py)
+    decode_attention: Callable | None       # the xla backend's C++ decode attention, or None
+    prefill_attention: Callable | None      # the xla backend's C++ prefill attention, or None
+    argmax: Callable
+    reasons: tuple                          # ((entry, what runs it and why), ...)
+
+    def describe(self) -> dict[str, str]:
+        return dict(self.reasons)
+
+
+def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions = KernelOptions(),
+           tensor_parallel: bool = False, platform: str | None = None) -> KernelChoice:
+    """The engine's kernels. `dtype`: the activations' (the model's); `pool_dtype`: the KV
+    pages' storage dtype (`precision.kv_pool_dtype`)."""
+    if options.cpu_kernels not in CPU_KERNEL_MODES:
+        raise ValueError(f"cpu_kernels={options.cpu_kernels!r}; choose one of "
+                         f"{', '.join(CPU_KERNEL_MODES)}")
+    if options.weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout={options.weight_layout!r}; choose one of "
+                         f"{', '.join(WEIGHT_LAYOUTS)}")
+    platform = platform or jax.default_backend()
+    on_cpu = platform == "cpu"
+    per_layer = (options.weight_layout == "per_layer" or
+                 (options.weight_layout == "auto" and on_cpu and not tensor_parallel))
+    dtype = jnp.dtype(dtype)
+    reasons = {}
+
+    def cpu_kernel(entry: str, reason: str | None, name: str, fallback: str) -> bool:
+        """Whether `entry` takes C++ kernel `name`; `reason`: why it cannot, or None."""
+        if not on_cpu:
+            reason = f"{platform}, not a CPU"
+        elif options.cpu_kernels == "off":
+            reason = "turned off (cpu_kernels='off')"
+        if reason is None:
+            reasons[entry] = f"cpu_kernels.{name}"
+            return True
+        if on_cpu and options.cpu_kernels == "required":
+            raise ValueError(f"cpu_kernels='required', but {entry} cannot take "
+                             f"cpu_kernels.{name}: {reason}")
+        reasons[entry] = f"{fallback} ({reason})"
+        return False
+
+    heads = (pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+             model_cfg.attn_soft_cap)
+    packed = cpu_kernel("matmul", _gemm_reason(dtype, per_layer), "packed_gemm", "XLA dots")
+    norm = cpu_kernel("add_norm", _norm_reason(dtype, per_layer), "add_rms_norm", "jnp")
+    decode = cpu_kernel("decode_attention", paged_decode.why_not(*heads), "paged_decode",
+                        "jnp work lists")
+    prefill = cpu_kernel("prefill_attention", paged_prefill.why_not(*heads), "paged_prefill",
+                         "jnp query tiles")
+    argmax = cpu_kernel("argmax", first_argmax.unavailable_reason(), "first_argmax",
+                        "jnp two-level")
+    prefetch = options.kv_prefetch and decode and packed
+    reasons["kv_prefetch"] = ("on: decode attention names the next layer's pages to the GEMMs"
+                              if prefetch else "off" + ("" if decode and packed else
+                                                        " (needs the C++ attention and GEMM)"))
+    kv_hints.set_enabled(options.kv_prefetch)
+    form = WeightForm(per_layer=per_layer, transposed=on_cpu and per_layer, bits=on_cpu,
+                      fused=on_cpu and per_layer, packed=packed)
+    reasons["weights"] = form.describe()
+    reasons = tuple(reasons.items())
+    return KernelChoice(
+        kernels=Kernels(add_norm=_add_norm_kernel if norm else norms.add_rms_norm,
+                        reasons=reasons),
+        weight_form=form,
+        decode_attention=(functools.partial(_decode_kernel, num_layers=model_cfg.num_layers)
+                          if decode else None),
+        prefill_attention=paged_prefill.paged_prefill_attention if prefill else None,
+        argmax=_argmax_kernel if argmax else two_level_argmax,
+        reasons=reasons)
+
+
+def log_choice(choice: KernelChoice) -> None:
+    logger.info("kernels: %s", "; ".join(f"{k}: {v}" for k, v in choice.reasons))
+
+
+def _gemm_reason(dtype, per_layer: bool) -> str | None:
+    if not per_layer:
+        return "stacked weight layout"
+    if dtype not in (jnp.bfloat16, jnp.float32):
+        return f"{dtype.name} weights"
+    return packed_gemm.unavailable_reason()
+
+
+def _norm_reason(dtype, per_layer: bool) -> str | None:
+    if dtype != jnp.bfloat16:
+        return f"a {dtype.name} model (the kernel is bf16's)"
+    if not per_layer:
+        return "stacked weight layout"
+    return add_rms_norm.unavailable_reason()
+
+
+def _add_norm_kernel(x, h, weight, eps, offset=0.0):
+    """The C++ add + norm for bf16 activations (jnp for any other: a float32 draft's, say). It
+    rounds the sum as the jnp form does, but takes the IEEE square root and division where
+    XLA:CPU takes its own approximations, so a normed value may differ by a bf16 step."""
+    if x.dtype != jnp.bfloat16:
+        return norms.add_rms_norm(x, h, weight, eps, offset)
+    return tuple(add_rms_norm.add_rms_norm(x, h, weight, eps, offset))
+
+
+def _decode_kernel(q, k_pages, v_pages, *meta, scale, window, num_layers: int):
+    """The C++ decode attention, told how far the next layer's blocks lie in the folded pool
+    (for its prefetch hints)."""
+    return paged_decode.paged_decode_attention(q, k_pages, v_pages, *meta, scale=scale,
+                                               window=window,
+                                               next_layer_blocks=k_pages.shape[1] // num_layers)
+
+
+def _argmax_kernel(x):
+    """The C++ first maximum over float32 [N, V] logits; jnp for anything else."""
+    if x.dtype != jnp.float32 or x.ndim != 2:
+        return two_level_argmax(x)
+    return first_argmax.first_argmax(x)

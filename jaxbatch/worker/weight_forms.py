@@ -1,0 +1,277 @@
+"""The weights in the form the engine's kernels read: `prepare(params, form)`.
+
+The loader hands over plain arrays (`decoder.stack_layers`' layers dict: per-layer tuples or
+stacks, int8 matrices as {"int8", "scale"}); each matrix becomes a typed weight
+(`model/linear.py`) as `WeightForm` says, which the kernel seam (`kernels.py`) chose:
+
+    per_layer   each layer's matrices kept apart (`linear.PerLayer`) instead of stacked
+    transposed  per-layer float matrices stored [out, in] (`linear.OutIn`): XLA:CPU's form
+    bits        stacked bf16 matrices kept as their bits (`linear.Bf16Bits`): XLA:CPU's form
+    fused       per-layer q/k/v and gate/up as one matrix each ("wqkv", "w_gate_up",
+                `layers.FUSED`): one matmul and one switch instead of three or two, where a
+                small dot costs about as much in fixed overhead as in reading its weight
+    packed      every per-layer float matrix the CPU GEMM covers, and the LM head (tied or
+                not: a tied head costs a packed copy of the embedding, `tied_head`), packed
+                once for it (`Packed`): XLA:CPU's dots of a few rows run far under the
+                machine's bf16 and float32 rates, the kernel reads each packed weight once
+                per call at close to them
+
+`prepare` takes plain or already typed params (another engine's) and is cheap when they are
+in the form already; `to_plain` gives plain params back (for quantizing or restacking).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels import packed_gemm
+from jaxbatch.model.layers import FUSED
+from jaxbatch.model.linear import (SILU_MUL, Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer,
+                                   pytree_weight)
+
+# Calls of at least this many tokens take silu * up as the packed GEMM's epilogue: in a call
+# of a few decode rows the epilogue's exponentials and divisions cost about what XLA's
+# separate elementwise op costs there; in prefill calls the op costs more than the epilogue.
+SILU_EPILOGUE_MIN_ROWS = 32
+
+
+class Packed(Linear):
+    """A matrix packed for `cpu_kernels.packed_gemm` ([N / 16, K / s, 16 s], bf16 as bits)."""
+    packed: object
+
+    def apply(self, x, rows=None, out_dtype=None):
+        return packed_gemm.matmul(x, self.packed, out_dtype=out_dtype or x.dtype, rows=rows)
+
+    def fuses(self, epilogue, x) -> bool:
+        return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
+                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
+                and packed_gemm.silu_mul_why_not(self.packed) is None)
+
+    def apply_epilogue(self, x, epilogue, rows=None):
+        if not self.fuses(epilogue, x):
+            return super().apply_epilogue(x, epilogue, rows)
+        return packed_gemm.silu_mul(x, self.packed, rows=rows)
+
+    in_out = property(lambda self: packed_gemm.in_out_shape(self.packed))
+
+    def to_float(self):
+        return packed_gemm.unpack(self.packed)
+
+    @classmethod
+    def of(cls, w, like) -> "Packed":
+        """From [in, out] values; numpy stays numpy, a device array `like` goes back there."""
+        packed = packed_gemm.pack(np.asarray(w))
+        return cls(packed if isinstance(like, np.ndarray) else jnp.asarray(packed))
+
+
+Packed = pytree_weight(Packed, ("packed",))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightForm:
+    per_layer: bool = False
+    transposed: bool = False
+    bits: bool = False
+    fused: bool = False
+    packed: bool = False
+
+    def describe(self) -> str:
+        return ", ".join(name for name, on in dataclasses.asdict(self).items() if on) or "stacked"
+
+
+# ---- plain params -> typed --------------------------------------------------------------
+def prepare(params: dict, form: WeightForm) -> dict:
+    if _in_form(params, form):
+        return params
+    plain = to_plain(params)
+    layers = _layout(plain["layers"], form.per_layer)
+    typed = {name: _typed(value, form) for name, value in layers.items()}
+    if form.fused:
+        typed = _fuse(typed)
+    if form.packed:
+        typed = {name: _packed(value) for name, value in typed.items()}
+    out = {**{k: v for k, v in plain.items() if k not in ("lm_head", "tied_head")},
+           "layers": typed}
+    if "lm_head" in plain:
+        head = plain["lm_head"]
+        out["lm_head"] = (Packed.of(head, head) if form.packed and _covered(head)
+                          else Dense(head))
+    elif form.packed and _covered(np.asarray(plain["embed"]).T):
+        out["tied_head"] = Packed.of(np.asarray(plain["embed"]).T, plain["embed"])   # [d, V]
+    return out
+
+
+def _in_form(params: dict, form: WeightForm) -> bool:
+    """Typed already in `form`, as far as `prepare` would change it."""
+    matrices = [v for v in params["layers"].values() if _is_matrix_entry(v)]
+    if not matrices or not all(isinstance(v, Linear) for v in matrices):
+        return False
+    if not isinstance(params.get("lm_head", Dense(None)), Linear):
+        return False
+    per_layer = any(isinstance(v, PerLayer) for v in matrices)
+    fused = any(name in params["layers"] for name in FUSED)
+    packed = any(isinstance(w, Packed) for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, Packed)))
+    return per_layer == form.per_layer and fused == form.fused and packed == form.packed
+
+
+def _is_matrix_entry(value) -> bool:
+    return (isinstance(value, (tuple, dict, Linear))
+            or getattr(value, "ndim", 0) >= 3)
+
+
+def _layout(layers: dict, per_layer: bool) -> dict:
+    """Plain matrices as a tuple of L (per_layer) or stacked."""
+    out = {}
+    for name, value in layers.items():
+        if isinstance(value, tuple) and not per_layer:
+            out[name] = _stack(value)
+        elif per_layer and _is_stacked_matrix(value):
+            out[name] = tuple(_unstack(value))
+        else:
+            out[name] = value
+    return out
+
+
+def _is_stacked_matrix(value) -> bool:
+    if isinstance(value, dict):
+        return value["int8"].ndim == 3
+    return getattr(value, "ndim", 0) == 3
+
+
+def _stack(per_layer: tuple):
+    xp = np if isinstance(jax.tree.leaves(per_layer)[0], np.ndarray) else jnp
+    if isinstance(per_layer[0], dict):
+        return {part: xp.stack([w[part] for w in per_layer]) for part in per_layer[0]}
+    return xp.stack(per_layer)
+
+
+def _unstack(stacked):
+    if isinstance(stacked, dict):
+        return [{part: a[i] for part, a in stacked.items()}
+                for i in range(stacked["int8"].shape[0])]
+    return [stacked[i] for i in range(stacked.shape[0])]
+
+
+def _typed(value, form: WeightForm):
+    """A plain layers-dict entry -> its typed form (vectors stay arrays)."""
+    if isinstance(value, tuple):
+        return PerLayer(tuple(_typed_matrix(w, form, per_layer=True) for w in value))
+    if isinstance(value, dict) or getattr(value, "ndim", 0) >= 3:
+        return _typed_matrix(value, form, per_layer=False)
+    return value
+
+
+def _typed_matrix(w, form: WeightForm, per_layer: bool) -> Linear:
+    if isinstance(w, dict):
+        return Int8(w["int8"], w["scale"])
+    if per_layer:
+        return OutIn.of(w) if form.transposed else Dense(w)
+    if form.bits and w.ndim == 3 and w.dtype == jnp.bfloat16:
+        return Bf16Bits.of(w)
+    return Dense(w)
+
+
+def _fuse(layers: dict) -> dict:
+    """Each complete group of per-layer [out, in] parts -> one matrix per layer, the parts
+    stacked along out in `FUSED` order (numpy stays numpy)."""
+    for name, parts in FUSED.items():
+        values = [layers.get(p) for p in parts]
+        if not all(isinstance(v, PerLayer) and all(isinstance(w, OutIn) for w in v.layers)
+                   for v in values):
+            continue
+        if len({v.layers[0].w.dtype for v in values}) != 1:
+            continue
+        concat = np.concatenate if isinstance(values[0].layers[0].w, np.ndarray) else jnp.concatenate
+        fused = PerLayer(tuple(OutIn(concat([w.w for w in per_part], axis=0))       # [sum out, in]
+                               for per_part in zip(*(v.layers for v in values))))
+        layers = {k: v for k, v in layers.items() if k not in parts}
+        layers[name] = fused
+    return layers
+
+
+def _packed(value):
+    """Per-layer [out, in] float matrices the GEMM covers -> packed; the rest unchanged."""
+    if not (isinstance(value, PerLayer) and all(isinstance(w, OutIn) for w in value.layers)):
+        return value
+    if packed_gemm.why_not(value.layers[0].w.dtype, *value.in_out) is not None:
+        return value
+    return PerLayer(tuple(Packed.of(w.w.T, w.w) for w in value.layers))
+
+
+def _covered(head) -> bool:
+    return getattr(head, "ndim", 0) == 2 and packed_gemm.why_not(head.dtype, *head.shape) is None
+
+
+# ---- typed -> plain ---------------------------------------------------------------------
+def to_plain(params: dict) -> dict:
+    """Typed params (any form) -> plain: per-layer tuples of [in, out] arrays or stacks, int8
+    as {"int8", "scale"}, fused matrices split into their parts, the LM head an array, no
+    packed copy of a tied head. Plain params pass unchanged."""
+    if not isinstance(params.get("layers"), dict):
+        return params
+    layers = {}
+    for name, value in params["layers"].items():
+        if isinstance(value, PerLayer):
+            layers[name] = tuple(_plain_matrix(w) for w in value.layers)
+        elif isinstance(value, Linear):
+            layers[name] = _plain_matrix(value)
+        else:
+            layers[name] = value
+    out = {k: v for k, v in params.items() if k != "tied_head"}
+    out["layers"] = _unfuse(layers)
+    if isinstance(out.get("lm_head"), Linear):
+        out["lm_head"] = out["lm_head"].to_float()
+    return out
+
+
+def _plain_matrix(w: Linear):
+    if isinstance(w, Int8):
+        return {"int8": w.values, "scale": w.scale}
+    return w.to_float()
+
+
+def _unfuse(layers: dict) -> dict:
+    for name, parts in FUSED.items():
+        if name not in layers:
+            continue
+        wo = layers["wo"][0] if isinstance(layers["wo"], tuple) else layers["wo"]
+        q_width = (wo["int8"] if isinstance(wo, dict) else wo).shape[-2]
+        widths = _part_widths(name, layers[name][0].shape[-1], q_width)
+        bounds = np.cumsum((0,) + widths)
+        split = {p: tuple(w[..., lo:hi] for w in layers[name])
+                 for p, lo, hi in zip(parts, bounds[:-1], bounds[1:])}
+        layers = {**{k: v for k, v in layers.items() if k != name}, **split}
+    return layers
+
+
+def _part_widths(name: str, total: int, q_width: int) -> tuple[int, ...]:
+    """The out widths of fused matrix `name`'s parts, in `FUSED` order: q's is o's input
+    width (heads x head_dim, `q_width`), k and v split the rest evenly; gate and up split
+    evenly."""
+    if name == "wqkv":
+        return q_width, (total - q_width) // 2, (total - q_width) // 2
+    return total // 2, total // 2
+
+
+def matrix_shapes(params: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of one layer's matrix for every matrix name of typed params, the parts of a
+    fused matrix under their own names."""
+    layers = params["layers"]
+    shapes = {name: v.in_out for name, v in layers.items() if isinstance(v, Linear)}
+    for name, parts in FUSED.items():
+        if name in shapes:
+            fan_in, total = shapes.pop(name)
+            widths = _part_widths(name, total, shapes["wo"][0])
+            shapes.update({p: (fan_in, w) for p, w in zip(parts, widths)})
+    return shapes
+
+
+def matmuls(params: dict) -> str:
+    """What runs the weight matmuls (stats()): our packed GEMM kernel, or XLA's dots."""
+    packed = [w for w in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, Packed))
+              if isinstance(w, Packed)]
+    return "cpu_kernels.packed_gemm" if packed else "XLA dots"
