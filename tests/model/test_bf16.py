@@ -3,7 +3,7 @@ policy, and batch invariance of the embedded model in bf16.
 
 The HLO checks read the optimized module of a decode and a prefill call of a tiny bf16 engine:
 every layer matmul and the LM head are bf16 x bf16 dots accumulating in float32 (XLA's dots,
-or our GEMM kernel's custom calls over the packed weights: `model/storage.py`), and no
+or our GEMM kernel's custom calls over the packed weights: `worker/weight_forms.py`), and no
 instruction produces a float32 (or, for the KV pool, a bf16) array of a weight's or the pool's
 shape: XLA:CPU used to wrap bf16 scatters, gathers, dynamic-slices and bf16-output dots in
 converts of their whole operand, which cost 200x on a decode step.

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbatch.worker.argmax import first_argmax
+from jaxbatch.worker.argmax import two_level_argmax as first_argmax
 
 
 def test_argmax_is_the_first_maximum_with_nan_as_inf():

@@ -9,6 +9,7 @@ import itertools
 import jax
 import pytest
 
+from cpu_kernels import paged_prefill
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.core.plan import DecodeEntry, PrefillChunk, SamplingRow, StepPlan
 from jaxbatch.worker.attention.block_tables import BlockTableBackend
@@ -16,7 +17,8 @@ from jaxbatch.worker.attention.work_lists import WorkListBackend
 from jaxbatch.worker.step_inputs import StepLayout
 
 # One backend of each metadata kind, and the one-chunk-per-call oracle.
-BACKENDS = {"xla": WorkListBackend(), "xla_packed": WorkListBackend(packed_prefill=True),
+BACKENDS = {"xla": WorkListBackend(),
+            "xla_packed": WorkListBackend(prefill_kernel=paged_prefill.paged_prefill_attention),
             "pallas": BlockTableBackend("pallas"),
             "reference": BlockTableBackend("reference")}
 
