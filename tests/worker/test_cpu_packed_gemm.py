@@ -167,9 +167,11 @@ def test_refuses_what_it_does_not_cover():
                            jnp.asarray(packed_gemm.pack(np.zeros((8, 16), jnp.bfloat16))))
 
 
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")
-    assert "JAXBATCH_CPU_KERNELS=0" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
+def test_the_switch_turns_it_off(request):
+    import cpu_kernels
+    cpu_kernels.configure(mode="off")
+    request.addfinalizer(cpu_kernels.configure)
+    assert "turned off" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
 
 
 def _compiled_texts(engine):

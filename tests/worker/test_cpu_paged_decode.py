@@ -128,7 +128,7 @@ AGREE = {jnp.bfloat16: 30, jnp.float32: 40}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeypatch, dtype):
+def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(request, dtype):
     from engines import greedy_case, run_all, tiny_engine_in, tokens_agreeing
     prompts, params = greedy_case()
     # a bf16 model's q is bf16: the bf16-out handler
@@ -137,9 +137,11 @@ def test_the_engine_decodes_with_the_kernel_and_agrees_with_the_jnp_path(monkeyp
     assert with_kernel.stats()["decode_attention"] == "cpu_kernels.paged_decode"
     assert f'"{target}"' in _decode_text(with_kernel)      # the exact target name
     outs = run_all(with_kernel, prompts, params)
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
+    import cpu_kernels
+    cpu_kernels.configure(mode="off")                     # read while a step is traced
+    request.addfinalizer(cpu_kernels.configure)
     plain = tiny_engine_in(dtype)
-    assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["decode_attention"]
+    assert "turned off" in plain.stats()["decode_attention"]
     assert f'"{target}"' not in _decode_text(plain)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
     assert agree >= AGREE[dtype], f"only {agree} of 40 greedy tokens agree before a divergence"

@@ -112,7 +112,7 @@ def _compiled_text(engine, kind):
     return runner.executables.lower(key, runner.example_args(key)).compile().as_text()
 
 
-def test_the_engine_prefills_with_the_kernel_and_agrees_with_the_jnp_path(monkeypatch):
+def test_the_engine_prefills_with_the_kernel_and_agrees_with_the_jnp_path(request):
     """Prefill calls and mixed calls (decode rows and a prefill chunk in one) both run the
     kernel; greedy tokens agree with the jnp path's (bf16 rounds its probabilities relative to
     each path's own running maximum, so a near tie may still flip late)."""
@@ -124,9 +124,11 @@ def test_the_engine_prefills_with_the_kernel_and_agrees_with_the_jnp_path(monkey
     for kind in ("prefill", "mixed"):      # a bf16 model: the bf16-out handler
         assert f'"{paged_prefill.BF16_OUT_TARGET}"' in _compiled_text(with_kernel, kind), kind
     outs = run_all(with_kernel, prompts, params)
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
+    import cpu_kernels
+    cpu_kernels.configure(mode="off")                     # read while a step is traced
+    request.addfinalizer(cpu_kernels.configure)
     plain = tiny_engine_in(jnp.bfloat16)
-    assert "JAXBATCH_CPU_KERNELS=0" in plain.stats()["prefill_attention"]
+    assert "turned off" in plain.stats()["prefill_attention"]
     assert all(f'"{t}"' not in _compiled_text(plain, "prefill") for t in paged_prefill.TARGETS)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
     assert agree >= 30, f"only {agree} of 40 greedy tokens agree before a divergence"
