@@ -24,10 +24,19 @@ KEY_GROUP); pool_dispatch.h how each kernel runs its work on XLA's intra-op thre
 it to them when called on another thread); kv_prefetch.h (its memory in kv_hints.py) the hint
 channel through which decode attention names the next layer's pages to the GEMMs before it;
 call_log.h (its memory in call_log.py) each call's kernel, sizes and times while `bench calls`
-records them; handout.py how that memory of ours reaches each library.
+records them, in an instrumented build only; checks.h what every handler checks before it
+runs; handout.py how that memory of ours reaches each library.
 
-JAXBATCH_CPU_KERNELS=0 turns them off; =1 makes their absence an error. JAXBATCH_KV_PREFETCH=0
-turns the hint channel off (results are the same either way).
+No environment variable is read here: the engine says how they are used, from its config.
+
+    configure(mode="auto", kv_prefetch=True)
+                           mode "auto": each kernel runs where it can, else the jnp path
+                           (the reason logged once, as a warning of the "cpu_kernels"
+                           logger); "off": every kernel reports "turned off"; "required": a
+                           kernel that cannot run raises RuntimeError. kv_prefetch False turns
+                           the hint channel off (results are the same either way).
+    call_log.instrument()  before any kernel registers: the kernels are built with the call
+                           log (`bench calls`); production builds carry none
 
     KERNELS                the kernel modules: each has TARGETS (its FFI targets) and
                            unavailable_reason(), which registers them where they run
@@ -38,6 +47,7 @@ turns the hint channel off (results are the same either way).
 from __future__ import annotations
 
 from cpu_kernels import add_rms_norm, first_argmax, packed_gemm, paged_decode, paged_prefill
+from cpu_kernels.availability import configure
 
 KERNELS = (paged_decode, paged_prefill, packed_gemm, add_rms_norm, first_argmax)
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention_simd.h"
+#include "checks.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -112,7 +113,7 @@ struct Job : jaxbatch_pool::JobCounters {
          u = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t end = std::min(p.rows, (u + 1) * kRowsPerUnit);
       for (int64_t r = u * kRowsPerUnit; r < end; ++r) Row(p, r, chunks);
-      done.fetch_add(1, std::memory_order_release);
+      UnitDone();
     }
   }
 };
@@ -127,8 +128,11 @@ ffi::Future AddRmsNormImpl(ffi::ThreadPool pool, Bf16Matrix x, Bf16Matrix h, F32
   const auto same = [&](auto dims) { return dims[0] == xd[0] && dims[1] == xd[1]; };
   if (!same(h.dimensions()) || !same(sum->dimensions()) || !same(normed->dimensions()) ||
       w.dimensions()[0] != xd[1])
-    return jaxbatch_pool::Ready(
-        ffi::Error::InvalidArgument("add_rms_norm: x, h, sum, normed [T, d] and w [d]"));
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "add_rms_norm", "x, h, sum, normed [T, d] and w [d] expected, got x ",
+        jaxbatch_checks::Shape(xd), ", h ", jaxbatch_checks::Shape(h.dimensions()), ", w ",
+        jaxbatch_checks::Shape(w.dimensions()), ", sum ", jaxbatch_checks::Shape(sum->dimensions()),
+        ", normed ", jaxbatch_checks::Shape(normed->dimensions())));
   auto job = std::make_shared<Job>();
   job->p = Problem{reinterpret_cast<const uint16_t*>(x.typed_data()),
                    reinterpret_cast<const uint16_t*>(h.typed_data()), w.typed_data(),
@@ -136,8 +140,8 @@ ffi::Future AddRmsNormImpl(ffi::ThreadPool pool, Bf16Matrix x, Bf16Matrix h, F32
                    reinterpret_cast<uint16_t*>(normed->typed_data()), xd[0], xd[1], eps, offset};
   if (job->p.rows == 0 || job->p.d == 0) return jaxbatch_pool::Ready();
   job->units = (job->p.rows + kRowsPerUnit - 1) / kRowsPerUnit;
-  const int64_t helpers = job->p.rows < kMinParallelRows
-                              ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
+  const int64_t helpers =
+      job->p.rows < kMinParallelRows ? 0 : jaxbatch_pool::Helpers(pool, job->units);
   return jaxbatch_pool::Run(pool, job, helpers,
                             {jaxbatch_calls::kNorm, job->p.rows, job->p.d, 0});
 }

@@ -30,9 +30,11 @@ inline __m512 Reduce16(const __m512* a) {
 }
 
 // e^x, relative error about 1e-7: 2^n e^r, |r| <= ln2 / 2. Below -87 it gives e^-87 (the
-// softmax needs no less); past 88.7 it overflows to infinity, as expf does.
+// softmax needs no less); past 88.7 it overflows to infinity, as expf does; NaN stays NaN
+// (vmaxps returns its second operand where either is NaN: x, so a NaN score reaches the
+// softmax's sum as the reference's exp carries it).
 inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);

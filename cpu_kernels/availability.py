@@ -1,9 +1,17 @@
-"""Whether this machine can run the CPU kernels, built and registered once per process."""
+"""Whether this machine can run the CPU kernels, built and registered once per process, and
+the switch the engine sets from its configuration (`configure`).
+
+    configure(mode="auto", kv_prefetch=True)
+        mode "auto" (the default): a kernel runs where it can, else the jnp path runs and the
+        reason is logged once; "off": every kernel reports "turned off" and none is built;
+        "required": a kernel that cannot run raises RuntimeError instead. kv_prefetch: the
+        decode → GEMM prefetch hints (kv_hints.py; results are the same either way).
+"""
 from __future__ import annotations
 
 import functools
-import os
 import platform
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +21,23 @@ from cpu_kernels import build, call_log, kv_hints
 # The instruction sets every kernel here is compiled for.
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 _CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+MODES = ("auto", "off", "required")
+_MODE = "auto"
+
+
+def configure(mode: str = "auto", kv_prefetch: bool = True) -> None:
+    """How the kernels are used in this process (the engine calls it from its config; see
+    the module's docstring). Takes effect for every later `unavailable_reason`; a step traced
+    before keeps what it was traced with."""
+    global _MODE
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels.configure: mode {mode!r}, one of {MODES} expected")
+    _MODE = mode
+    kv_hints.set_enabled(bool(kv_prefetch))
+
+
+def mode() -> str:
+    return _MODE
 
 
 def _cpu_flags() -> set[str]:
@@ -26,18 +51,30 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of this process's libraries: FLAGS, and the call log's macro in an
+    instrumented process (call_log.instrument: a library of its own in the cache)."""
+    return FLAGS + (("-DJAXBATCH_CALL_LOG",) if call_log.instrumented() else ())
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
-def register(source: str, symbol: str, target: str) -> str | None:
-    """Builds `source`, registers its handler `symbol` as the FFI target `target` on CPU;
-    returns why it cannot, or None."""
+def _register(source: str, symbol: str, target: str) -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+        reason = f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+        build.warn_once(f"cpu_kernels: {reason}; the jnp path runs instead")
+        return reason
     missing = _CPU_FLAGS - _cpu_flags()
     if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+        reason = f"this CPU lacks {', '.join(sorted(missing))}"
+        build.warn_once(f"cpu_kernels: {reason}; the jnp path runs instead")
+        return reason
+    call_log.seal()                     # the build's flags are chosen now, for the process
     try:
-        lib = build.load(build.shared_library(source, FLAGS))
-    except (build.BuildError, OSError) as e:
+        _, lib = build.load_library(source, build_flags())
+    except build.BuildError as e:       # logged once by build
         return f"could not build {source}: {e}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     kv_hints.wire(lib)
@@ -45,15 +82,25 @@ def register(source: str, symbol: str, target: str) -> str | None:
     return None
 
 
+def register(source: str, symbol: str, target: str) -> str | None:
+    """Builds `source`, registers its handler `symbol` as the FFI target `target` on CPU;
+    returns why it cannot, or None. Once per target and process, whatever the threads."""
+    with _REGISTER_LOCK:
+        return _register(source, symbol, target)
+
+
+register.cache_clear = _register.cache_clear
+
+
 def unavailable_reason(source: str, symbol: str, target: str) -> str | None:
-    """None where the kernel runs; else why not. JAXBATCH_CPU_KERNELS=0 turns every kernel off,
-    =1 turns a kernel that cannot run into an error."""
-    setting = os.environ.get("JAXBATCH_CPU_KERNELS", "")
-    if setting == "0":
-        return "turned off (JAXBATCH_CPU_KERNELS=0)"
+    """None where the kernel runs; else why not. configure(mode="off") turns every kernel off;
+    mode="required" turns a kernel that cannot run into a RuntimeError."""
+    if _MODE == "off":
+        return "turned off (cpu_kernels.configure(mode='off'))"
     reason = register(source, symbol, target)
-    if reason and setting == "1":
-        raise RuntimeError(f"JAXBATCH_CPU_KERNELS=1, but {source} cannot run: {reason}")
+    if reason and _MODE == "required":
+        raise RuntimeError(f"cpu_kernels.configure(mode='required'), but {source} cannot run: "
+                           f"{reason}")
     return reason
 
 

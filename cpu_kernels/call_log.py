@@ -1,15 +1,24 @@
 """The memory of the kernels' call log (`call_log.h`): each call of a CPU kernel, timed on the
-thread that runs it, for `bench calls`. One log per process, owned here and handed to every
-kernel library as it loads (`wire`) while recording is on; off (the default) the libraries
-hold no log and record nothing.
+thread that runs it, for `bench calls`. The log is compiled only into an instrumented build:
+a process that wants it calls `instrument()` before any kernel registers, and its libraries
+are then built with -DJAXBATCH_CALL_LOG (a library of their own in the cache); production
+builds carry no log code. One log per process, owned here and handed to every kernel library
+as it loads (`wire`) while recording is on; off (the default) the libraries hold no log and
+record nothing.
 
+    instrument()  this process's kernels are built with the call log; raises RuntimeError
+                  once a kernel has registered (its library is built without it)
+    instrumented() whether instrument() was called
     wire(lib)     hands the log to a loaded kernel library if recording is on
                   (availability.register)
-    start()       empties the log and starts recording in every library wired so far
+    start()       empties the log and starts recording in every library wired so far;
+                  RuntimeError in a process not instrumented
     stop()        stops recording; returns the records since `start` (`records`)
-    records()     the records so far: a [N, 6] int64 array of (kernel, a, b, c, entry_ns,
-                  end_ns), CLOCK_MONOTONIC (`time.monotonic_ns`), in the order calls were
-                  entered; end_ns 0 for a call not yet done. What a, b and c are: SIZES
+    records()     the records so far: a [N, 8] int64 array of (kernel, a, b, c, entry_ns,
+                  end_ns, tasks, threads), CLOCK_MONOTONIC (`time.monotonic_ns`), in the
+                  order calls were entered; end_ns 0 for a call not yet done; tasks: the
+                  pool tasks the call scheduled, threads: the pool's threads. What a, b and
+                  c are: SIZES
     dropped()     calls past the log's capacity since `start`, not recorded
 """
 from __future__ import annotations
@@ -27,7 +36,7 @@ KERNELS = {1: "gemm", 2: "decode attention", 3: "prefill attention", 4: "add + n
 SIZES = {"gemm": ("rows", "in", "out"), "decode attention": ("rows", "heads", "head dim"),
          "prefill attention": ("tokens", "heads", "head dim"), "add + norm": ("rows", "d", "-"),
          "argmax": ("rows", "vocab", "-")}
-FIELDS = 6
+FIELDS = 8
 
 
 class _Log(ctypes.Structure):
@@ -37,10 +46,35 @@ class _Log(ctypes.Structure):
 _LOG: _Log | None = None     # allocated on first start, never freed: a late call may write
 _HANDOUT = Handout("JaxbatchSetCallLog", "JaxbatchCallLogCapacity", CAPACITY)
 wire = _HANDOUT.wire
+_INSTRUMENTED = False
+_SEALED = False              # a kernel has registered: the build flags are chosen
+
+
+def instrument() -> None:
+    global _INSTRUMENTED
+    if _SEALED and not _INSTRUMENTED:
+        raise RuntimeError("call_log.instrument(): a kernel has registered in this process "
+                           "already, built without the call log; call it first (before any "
+                           "engine or kernel), or in a process of its own")
+    _INSTRUMENTED = True
+
+
+def instrumented() -> bool:
+    return _INSTRUMENTED
+
+
+def seal() -> None:
+    """The build's flags are chosen (availability.register, before the first build)."""
+    global _SEALED
+    _SEALED = True
 
 
 def start() -> None:
     global _LOG
+    if not _INSTRUMENTED:
+        raise RuntimeError("call_log.start(): the kernels are built without the call log; "
+                           "call cpu_kernels.call_log.instrument() before any kernel registers "
+                           "(first thing in the process, as `bench calls` does)")
     _HANDOUT.hand(None)
     if _LOG is None:
         _LOG = _Log()

@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "attention_simd.h"
+#include "checks.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,7 +60,7 @@ struct Job : jaxbatch_pool::JobCounters {
     for (int64_t r = next.fetch_add(1, std::memory_order_relaxed); r < units;
          r = next.fetch_add(1, std::memory_order_relaxed)) {
       out[r] = RowArgmax(x + r * v, v);
-      done.fetch_add(1, std::memory_order_release);
+      UnitDone();
     }
   }
 };
@@ -69,16 +70,18 @@ using Tokens = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future FirstArgmaxImpl(ffi::ThreadPool pool, Logits x, ffi::Result<Tokens> out) {
   const auto xd = x.dimensions();
-  if (out->dimensions()[0] != xd[0])
-    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("first_argmax: x [N, V], out [N]"));
+  if (out->dimensions()[0] != xd[0] || (xd[0] > 0 && xd[1] == 0))
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "first_argmax", "x [N, V] with V > 0 and out [N] expected, got x ",
+        jaxbatch_checks::Shape(xd), ", out ", jaxbatch_checks::Shape(out->dimensions())));
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
   job->out = out->typed_data();
   job->v = xd[1];
   job->units = xd[0];
   if (job->units == 0) return jaxbatch_pool::Ready();
-  const int64_t helpers = xd[0] * xd[1] < kMinParallelElements
-                              ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
+  const int64_t helpers =
+      xd[0] * xd[1] < kMinParallelElements ? 0 : jaxbatch_pool::Helpers(pool, job->units);
   return jaxbatch_pool::Run(pool, job, helpers, {jaxbatch_calls::kArgmax, xd[0], xd[1], 0});
 }
 

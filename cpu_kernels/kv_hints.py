@@ -2,18 +2,19 @@
 the pages its rows read at the next layer, and the GEMMs in between request them into cache.
 
 One queue per process, owned here and handed to every kernel library as it loads
-(`wire`). JAXBATCH_KV_PREFETCH=0 leaves the libraries without it: nothing is published or
-requested, and every result is the same either way (a request is only a hint).
+(`wire`). cpu_kernels.configure(kv_prefetch=False) leaves the libraries without it (it calls
+set_enabled): nothing is published or requested, and every result is the same either way (a
+request is only a hint). On by default.
 
     wire(lib)        hands the queue to a loaded kernel library (availability.register)
-    set_enabled(on)  hands it to, or takes it from, every library wired so far (A/B runs)
+    set_enabled(on)  hands it to, or takes it from, every library wired so far and every one
+                     wired later (cpu_kernels.configure; A/B runs)
     published()      [(key address, value address, bytes)] of the last publication (tests)
     claimed()        how many of them GEMM threads have claimed (tests; may exceed the count)
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 from cpu_kernels.handout import Handout
 
@@ -38,7 +39,7 @@ def set_enabled(on: bool) -> None:
     _HANDOUT.hand(ctypes.byref(_QUEUE) if on else None)
 
 
-set_enabled(os.environ.get("JAXBATCH_KV_PREFETCH", "1") != "0")
+set_enabled(True)
 
 
 def published() -> list[tuple[int, int, int]]:

@@ -41,7 +41,10 @@ struct Queue {
   Range ranges[kMaxRanges];
 };
 
-inline Queue*& Shared() {
+// This library's queue pointer: internal linkage (`static`), so that each library holds its
+// own. As an ordinary inline function's static it would be a GNU_UNIQUE symbol, one object
+// for every library in the process, and a queue handed to one would reach all of them.
+static inline Queue*& Shared() {
   static Queue* queue = nullptr;
   return queue;
 }

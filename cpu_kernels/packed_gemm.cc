@@ -47,6 +47,7 @@
 
 #include "attention_simd.h"
 #include "kv_prefetch.h"
+#include "checks.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -295,7 +296,7 @@ struct Job : jaxbatch_pool::JobCounters {
     for (bool cold = true; u < units; cold = false) {
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       RunUnit(p, u, after < units ? after : -1, cold, feed);
-      done.fetch_add(1, std::memory_order_release);
+      UnitDone();
       u = after;
     }
   }
@@ -327,8 +328,10 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
   if (wd[2] != kLine || xd[1] % Step<T>::kPerStep != 0 || wd[1] != xd[1] / Step<T>::kPerStep ||
       yd[0] != xd[0] || yd[1] != out_blocks * 16 || (kSiluMul && wd[0] % 2 != 0) ||
       rows.element_count() != 1)
-    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument(
-        "packed_gemm: x [M, K] and w packed for K, rows [1], y [M, N]"));
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "packed_gemm", "x [M, K] and w packed for K, rows [1], y [M, N] expected, got x ",
+        jaxbatch_checks::Shape(xd), ", w ", jaxbatch_checks::Shape(wd), ", rows ",
+        jaxbatch_checks::Shape(rows.dimensions()), ", y ", jaxbatch_checks::Shape(yd)));
   // Padding rows: zero, whatever x holds there (a padding row's input may be anything).
   job->p.m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   const int64_t padding = (xd[0] - job->p.m) * yd[1];
@@ -347,8 +350,7 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
   }
   const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
   // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
-  const int64_t helpers =
-      macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads() - 1, job->units - 1);
+  const int64_t helpers = macs < kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
   return jaxbatch_pool::Run(pool, job, helpers,
                             {jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16});
 }

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "attention_simd.h"
+#include "checks.h"
 #include "decode_elems.h"
 #include "kv_prefetch.h"
 #include "pool_dispatch.h"
@@ -248,7 +249,7 @@ struct Job : jaxbatch_pool::JobCounters {
       }
       const bool ahead = after >= 0 && after < units;
       RunUnit(p, u / p.kv_heads, u % p.kv_heads, spans, ahead ? &after_spans : nullptr, first);
-      done.fetch_add(1, std::memory_order_release);
+      UnitDone();
       first = !ahead;
       if (ahead) {
         u = after;
@@ -301,43 +302,127 @@ using I32Matrix = ffi::Buffer<ffi::S32, 2>;
 using F32Array3 = ffi::Buffer<ffi::F32, 3>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 
+// Checks a call's operands and its work list, and fills p.first_item and p.item_count from it;
+// any violation is an error naming it (checks.h). The work list is what
+// `decode_work_items` (pallas_kernels/xla_paged_attention.py) builds: the used items first,
+// sorted by row (so a row's items are contiguous), then padding (item_slot >= B); a row's k-th
+// item starts at position k * PPI * bs, and its items cover the row's length; every page a
+// row reads (those before its length) lies in the pool.
+template <typename T, typename Q, typename Pool, typename Y>
+ffi::Error Check(Problem<T>& p, const Q& q, const Pool& k, const Pool& v, const I32Vector& item_slot,
+                 const I32Matrix& item_pages, const I32Vector& item_first_pos,
+                 const I32Vector& lengths, const I32Vector& window, const F32Vector& scale,
+                 ffi::Result<Y>& out) {
+  using jaxbatch_checks::Invalid;
+  using jaxbatch_checks::Shape;
+  constexpr const char* kName = "paged_decode";
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (!jaxbatch_checks::SameDims(v.dimensions(), kd))
+    return Invalid(kName, "v_pages ", Shape(v.dimensions()), " differs from k_pages ", Shape(kd));
+  if (!jaxbatch_checks::SameDims(out->dimensions(), qd))
+    return Invalid(kName, "out ", Shape(out->dimensions()), " differs from q ", Shape(qd));
+  const int64_t B = qd[0], H = qd[1], D = qd[2], KVH = kd[0], N = kd[1], bs = kd[2];
+  if (KVH < 1 || bs < 1 || D < 1)
+    return Invalid(kName, "k_pages ", Shape(kd), ": kv heads, block size and head dim must be "
+                   "positive, q ", Shape(qd));
+  if (kd[3] != D)
+    return Invalid(kName, "q ", Shape(qd), " and k_pages ", Shape(kd), " differ in head dim");
+  if (H < KVH || H % KVH != 0 || H / KVH > kMaxGroup)
+    return Invalid(kName, H, " query heads over ", KVH, " kv heads: a whole group of at most ",
+                   kMaxGroup, " expected");
+  if (D > kMaxHeadDim || (std::is_same_v<T, uint16_t> && D % 2))   // bf16 keys in dim pairs
+    return Invalid(kName, "head dim ", D, ": at most ", kMaxHeadDim,
+                   std::is_same_v<T, uint16_t> ? ", even for bf16 pages" : "");
+  if (lengths.dimensions()[0] != B)
+    return Invalid(kName, "lengths ", Shape(lengths.dimensions()), " for ", B, " rows");
+  if (window.element_count() != 1 || scale.element_count() != 1)
+    return Invalid(kName, "window and scale hold one value each, got ",
+                   Shape(window.dimensions()), " and ", Shape(scale.dimensions()));
+  if (window.typed_data()[0] < 1) return Invalid(kName, "window ", window.typed_data()[0]);
+  const int64_t J = item_slot.dimensions()[0], PPI = item_pages.dimensions()[1];
+  if (item_pages.dimensions()[0] != J || item_first_pos.dimensions()[0] != J)
+    return Invalid(kName, "item_slot ", Shape(item_slot.dimensions()), ", item_pages ",
+                   Shape(item_pages.dimensions()), " and item_first_pos ",
+                   Shape(item_first_pos.dimensions()), " differ in items");
+  const int32_t* slot = item_slot.typed_data();
+  const int32_t* pages = item_pages.typed_data();
+  const int32_t* first_pos = item_first_pos.typed_data();
+  const int32_t* length = lengths.typed_data();
+  for (int64_t r = 0; r < B; ++r)
+    if (length[r] < 0) return Invalid(kName, "row ", r, ": length ", length[r]);
+  p.first_item.assign(B, 0);
+  p.item_count.assign(B, 0);
+  int64_t last_row = -1, padding_at = -1;
+  for (int64_t i = 0; i < J; ++i) {
+    const int64_t row = slot[i];
+    if (row < 0) return Invalid(kName, "item ", i, ": slot ", row);
+    if (row >= B) {                        // padding
+      if (padding_at < 0) padding_at = i;
+      continue;
+    }
+    if (padding_at >= 0)
+      return Invalid(kName, "item ", i, " (row ", row, ") after padding item ", padding_at,
+                     ": used items come first");
+    if (row < last_row)
+      return Invalid(kName, "item ", i, " (row ", row, ") after an item of row ", last_row,
+                     ": items must be sorted by row");
+    if (row != last_row) p.first_item[row] = i;
+    last_row = row;
+    const int64_t at = p.item_count[row]++ * PPI * bs;
+    if (first_pos[i] != at)
+      return Invalid(kName, "item ", i, " (row ", row, "): first position ", first_pos[i],
+                     ", its place in the row's items says ", at);
+    for (int64_t j = 0; j < PPI && at + j * bs < length[row]; ++j) {
+      const int64_t page = pages[i * PPI + j];
+      if (page < 0 || page >= N)
+        return Invalid(kName, "item ", i, " (row ", row, ") page ", j, ": ", page,
+                       " outside the pool's ", N, " pages");
+    }
+  }
+  for (int64_t r = 0; r < B; ++r)
+    if (p.item_count[r] * PPI * bs < length[r])
+      return Invalid(kName, "row ", r, ": length ", length[r], " but its ", p.item_count[r],
+                     " items cover ", p.item_count[r] * PPI * bs, " keys");
+  return ffi::Error::Success();
+}
+
 // T: the pool's element type; Q, Pool, Y: the FFI buffers of q, of the pages and of out.
 template <typename T, typename Q, typename Pool, typename Y>
 ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
                            I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
                            I32Vector window, F32Vector scale, ffi::Result<Y> out,
                            int64_t next_layer_blocks) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
   auto job = std::make_shared<Job<T>>();
   Problem<T>& p = job->p;
-  p = Problem<T>{reinterpret_cast<const T*>(q.typed_data()),
-                 reinterpret_cast<const T*>(k.typed_data()),
-                 reinterpret_cast<const T*>(v.typed_data()), item_slot.typed_data(),
-                 item_pages.typed_data(), item_first_pos.typed_data(), lengths.typed_data(),
-                 window.typed_data()[0], scale.typed_data()[0], jaxbatch_simd::Out{},
-                 qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], item_pages.dimensions()[1], {}, {}};
-  if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
-      p.head_dim > kMaxHeadDim || lengths.dimensions()[0] != p.batch ||
-      (std::is_same_v<T, uint16_t> && p.head_dim % 2))      // bf16 keys come in dim pairs
-    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("paged_decode: unsupported shapes"));
+  ffi::Error error = Check(p, q, k, v, item_slot, item_pages, item_first_pos, lengths, window,
+                           scale, out);
+  if (!error.success()) return jaxbatch_pool::Ready(std::move(error));
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  p.q = reinterpret_cast<const T*>(q.typed_data());
+  p.k = reinterpret_cast<const T*>(k.typed_data());
+  p.v = reinterpret_cast<const T*>(v.typed_data());
+  p.item_slot = item_slot.typed_data();
+  p.item_pages = item_pages.typed_data();
+  p.item_first_pos = item_first_pos.typed_data();
+  p.lengths = lengths.typed_data();
+  p.window = window.typed_data()[0];
+  p.scale = scale.typed_data()[0];
+  p.batch = qd[0];
+  p.heads = qd[1];
+  p.head_dim = qd[2];
+  p.kv_heads = kd[0];
+  p.num_pages = kd[1];
+  p.block_size = kd[2];
+  p.pages_per_item = item_pages.dimensions()[1];
   if constexpr (std::is_same_v<Y, F32Array3>)
     p.out.f32 = out->typed_data();
   else
     p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
-  p.first_item.assign(p.batch, 0);
-  p.item_count.assign(p.batch, 0);
-  const int64_t items = item_slot.dimensions()[0];
-  for (int64_t i = items - 1; i >= 0; --i) {
-    const int64_t row = p.item_slot[i];
-    if (row >= 0 && row < p.batch) {
-      p.first_item[row] = i;
-      ++p.item_count[row];
-    }
-  }
   PublishNextLayer(p, next_layer_blocks);
   job->units = p.batch * p.kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-  job->workers = std::max<int64_t>(helpers, 0) + 1;
+  if (job->units == 0) return jaxbatch_pool::Ready();
+  const int64_t helpers = jaxbatch_pool::Helpers(pool, job->units);
+  job->workers = helpers + 1;
   return jaxbatch_pool::Run(pool, job, helpers,
                             {jaxbatch_calls::kDecode, p.batch, p.heads, p.head_dim});
 }

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "attention_simd.h"
+#include "checks.h"
 #include "pool_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -263,7 +264,7 @@ struct Job : jaxbatch_pool::JobCounters {
          u = next.fetch_add(1, std::memory_order_relaxed)) {
       // the last tiles first: their tokens see the most keys
       Unit(p, p.tiles - 1 - u / p.kv_heads, u % p.kv_heads);
-      done.fetch_add(1, std::memory_order_release);
+      UnitDone();
     }
   }
 };
@@ -276,29 +277,87 @@ using Bf16Pool = ffi::Buffer<ffi::U16, 4>;
 using F32Out = ffi::Buffer<ffi::F32, 3>;
 using Bf16Out = ffi::Buffer<ffi::BF16, 3>;
 
+// Checks a call's operands (checks.h): the shapes it reads by, and that every key a token
+// sees lies in its tile's block table and every page of it in the pool (a position is -1 for
+// padding, else a key position at or past 0).
+template <typename Y>
+ffi::Error Check(const Bf16Q& q, const Bf16Pool& k, const Bf16Pool& v, const I32Vector& query_pos,
+                 const I32Matrix& tile_pages, const I32Vector& window, const F32Vector& scale,
+                 ffi::Result<Y>& out) {
+  using jaxbatch_checks::Invalid;
+  using jaxbatch_checks::Shape;
+  constexpr const char* kName = "paged_prefill";
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tile_pages.dimensions();
+  if (!jaxbatch_checks::SameDims(v.dimensions(), kd))
+    return Invalid(kName, "v_pages ", Shape(v.dimensions()), " differs from k_pages ", Shape(kd));
+  if (!jaxbatch_checks::SameDims(out->dimensions(), qd))
+    return Invalid(kName, "out ", Shape(out->dimensions()), " differs from q ", Shape(qd));
+  const int64_t T = qd[0], H = qd[1], D = qd[2], KVH = kd[0], N = kd[1], bs = kd[2];
+  if (KVH < 1 || bs < 1 || D < 1)
+    return Invalid(kName, "k_pages ", Shape(kd), ": kv heads, block size and head dim must be "
+                   "positive, q ", Shape(qd));
+  if (kd[3] != D)
+    return Invalid(kName, "q ", Shape(qd), " and k_pages ", Shape(kd), " differ in head dim");
+  if (H < KVH || H % KVH != 0 || H / KVH > kMaxGroup)
+    return Invalid(kName, H, " query heads over ", KVH, " kv heads: a whole group of at most ",
+                   kMaxGroup, " expected");
+  if (D > kMaxHeadDim || D % 2)
+    return Invalid(kName, "head dim ", D, ": at most ", kMaxHeadDim, ", even");
+  if (query_pos.dimensions()[0] != T)
+    return Invalid(kName, "query_pos ", Shape(query_pos.dimensions()), " for ", T, " tokens");
+  if (window.element_count() != 1 || scale.element_count() != 1)
+    return Invalid(kName, "window and scale hold one value each, got ",
+                   Shape(window.dimensions()), " and ", Shape(scale.dimensions()));
+  const int64_t w = window.typed_data()[0];
+  if (w < 1) return Invalid(kName, "window ", w);
+  if (T == 0) return ffi::Error::Success();
+  if (td[0] < 1 || T % td[0] != 0)
+    return Invalid(kName, "tile_pages ", Shape(td), ": whole tiles of ", T, " tokens expected");
+  const int64_t tiles = td[0], tile = T / tiles, P = td[1];
+  const int32_t* pos = query_pos.typed_data();
+  const int32_t* table = tile_pages.typed_data();
+  for (int64_t n = 0; n < tiles; ++n) {
+    int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
+    for (int64_t t = n * tile; t < (n + 1) * tile; ++t) {
+      if (pos[t] < -1) return Invalid(kName, "token ", t, ": position ", pos[t]);
+      if (pos[t] >= 0) {
+        first = std::min<int64_t>(first, std::max<int64_t>(0, pos[t] - w + 1));
+        last = std::max<int64_t>(last, pos[t]);
+      }
+    }
+    if (last < 0) continue;                 // a tile of padding
+    if (last / bs >= P)
+      return Invalid(kName, "tile ", n, ": position ", last, " past its table's ", P,
+                     " pages of ", bs);
+    for (int64_t j = first / bs; j <= last / bs; ++j)
+      if (table[n * P + j] < 0 || table[n * P + j] >= N)
+        return Invalid(kName, "tile ", n, " page ", j, ": ", table[n * P + j],
+                       " outside the pool's ", N, " pages");
+  }
+  return ffi::Error::Success();
+}
+
 // Y: the output buffer, float32 or bf16.
 template <typename Y>
 ffi::Future PagedPrefillImpl(ffi::ThreadPool pool, Bf16Q q, Bf16Pool k, Bf16Pool v,
                             I32Vector query_pos, I32Matrix tile_pages, I32Vector window,
                             F32Vector scale, ffi::Result<Y> out) {
+  ffi::Error error = Check(q, k, v, query_pos, tile_pages, window, scale, out);
+  if (!error.success()) return jaxbatch_pool::Ready(std::move(error));
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tile_pages.dimensions();
+  if (qd[0] == 0) return jaxbatch_pool::Ready();
   auto job = std::make_shared<Job>();
   Problem& p = job->p;
   p = Problem{reinterpret_cast<const uint16_t*>(q.typed_data()), k.typed_data(), v.typed_data(),
               query_pos.typed_data(), tile_pages.typed_data(), window.typed_data()[0],
               scale.typed_data()[0], jaxbatch_simd::Out{}, qd[0], qd[1], qd[2], kd[0], kd[1],
-              kd[2], td[0], td[0] ? qd[0] / td[0] : 0, td[1]};
-  if (p.head_dim != kd[3] || p.heads % p.kv_heads != 0 || p.heads / p.kv_heads > kMaxGroup ||
-      p.head_dim % 2 || p.head_dim > kMaxHeadDim || query_pos.dimensions()[0] != p.tokens || p.tiles == 0 ||
-      p.tile * p.tiles != p.tokens)
-    return jaxbatch_pool::Ready(ffi::Error::InvalidArgument("paged_prefill: unsupported shapes"));
+              kd[2], td[0], qd[0] / td[0], td[1]};
   if constexpr (std::is_same_v<Y, F32Out>)
     p.out.f32 = out->typed_data();
   else
     p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
   job->units = p.tiles * p.kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-  return jaxbatch_pool::Run(pool, job, helpers,
+  return jaxbatch_pool::Run(pool, job, jaxbatch_pool::Helpers(pool, job->units),
                             {jaxbatch_calls::kPrefill, p.tokens, p.heads, p.head_dim});
 }
 

@@ -9,12 +9,26 @@
 // sleep), and every kernel of the step would share the cores three ways. So there the kernel
 // only schedules its tasks and returns a future that the last of them completes: XLA continues
 // the step on that pool thread, and the kernels after it find themselves on the pool.
+//
+// Either way a call never runs on more threads than the pool has (`Helpers`): on a pool
+// thread the caller is one of them, and elsewhere it schedules helpers + 1 tasks. A caller
+// that has run out of units and waits for its helpers' last ones spins briefly (the common
+// case: they end within microseconds), then yields, then sleeps on a futex that the thread
+// finishing the last unit wakes (`JobCounters::UnitDone`, `AwaitUnits`): a helper descheduled
+// on a shared machine costs the waiting core nothing.
 #pragma once
 
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -49,14 +63,60 @@ inline ffi::Future Ready(ffi::Error error = ffi::Error::Success()) {
 }
 
 // What every kernel's job carries besides its problem and Work(): `units` of work, claimed
-// through `next`; `done` counts those finished; `finished` is Run's promise.
+// through `next`; `done` counts those finished (each through UnitDone); `finished` is Run's
+// promise.
 struct JobCounters {
   int64_t units = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   ffi::CountDownPromise finished;
   std::atomic<int64_t> pending_tasks{0};   // Run's tasks on the pool not yet through Work()
+  std::atomic<int32_t> sleeping{0};        // 1 while a caller sleeps in AwaitUnits (a futex)
+
+  // Counts a unit finished; the one that finishes the last wakes a caller asleep on them.
+  void UnitDone() {
+    if (done.fetch_add(1, std::memory_order_seq_cst) + 1 == units &&
+        sleeping.load(std::memory_order_seq_cst) != 0) {
+      sleeping.store(0, std::memory_order_seq_cst);
+      syscall(SYS_futex, reinterpret_cast<int32_t*>(&sleeping), FUTEX_WAKE_PRIVATE, INT32_MAX,
+              nullptr, nullptr, 0);
+    }
+  }
 };
+
+// Pauses spun, then yields, before a waiting caller sleeps: a few tens of microseconds of
+// pauses cover helpers that end about when the caller does.
+constexpr int kSpinPauses = 2048;
+constexpr int kSpinYields = 64;
+
+// Returns once every unit of `job` is done (the caller has claimed its last one already, so
+// only helpers' units remain): spinning, then yielding, then asleep on `job.sleeping`, which
+// UnitDone wakes (a 1 ms timeout besides, so that a lost wake costs a millisecond, not a
+// hang).
+inline void AwaitUnits(JobCounters& job) {
+  for (int i = 0; job.done.load(std::memory_order_acquire) < job.units; ++i) {
+    if (i < kSpinPauses) {
+      _mm_pause();
+    } else if (i < kSpinPauses + kSpinYields) {
+      sched_yield();
+    } else {
+      job.sleeping.store(1, std::memory_order_seq_cst);
+      if (job.done.load(std::memory_order_seq_cst) >= job.units) break;
+      const timespec timeout{0, 1000000};
+      syscall(SYS_futex, reinterpret_cast<int32_t*>(&job.sleeping), FUTEX_WAIT_PRIVATE, 1,
+              &timeout, nullptr, 0);
+    }
+  }
+}
+
+// Helpers a call of `units` units schedules: one per pool thread besides the caller's (on a
+// pool thread the caller is one; elsewhere Run schedules helpers + 1 tasks), none for one unit.
+inline int64_t Helpers(int64_t pool_threads, int64_t units) {
+  return std::max<int64_t>(0, std::min<int64_t>(pool_threads - 1, units - 1));
+}
+inline int64_t Helpers(ffi::ThreadPool& pool, int64_t units) {
+  return Helpers(pool.num_threads(), units);
+}
 
 // Runs job->Work() until every one of job->units is done (job->done counts them), on the
 // calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job: a
@@ -64,8 +124,12 @@ struct JobCounters {
 template <typename Job>
 ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers,
                 const jaxbatch_calls::Label& label) {
-  jaxbatch_calls::Record* record = jaxbatch_calls::Begin(label);
-  if (helpers > 0 && !OnPoolThread()) {
+  helpers = std::min<int64_t>(helpers, Helpers(pool, job->units));   // never past the pool
+  const bool on_pool = OnPoolThread();
+  jaxbatch_calls::Record* record =
+      jaxbatch_calls::Begin(label, helpers > 0 && !on_pool ? helpers + 1 : helpers,
+                            pool.num_threads());
+  if (helpers > 0 && !on_pool) {
     job->finished = ffi::CountDownPromise(helpers + 1);
     job->pending_tasks.store(helpers + 1, std::memory_order_release);
     ffi::Future finished(job->finished);
@@ -82,7 +146,7 @@ ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t 
   }
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->units) _mm_pause();
+  AwaitUnits(*job);
   jaxbatch_calls::End(record);
   return Ready();
 }

@@ -54,8 +54,21 @@ def test_decode_steps_run_argmax_to_argmax_and_skip_prefill():
 @pytest.mark.skipif(paged_decode.unavailable_reason() is not None,
                     reason=f"CPU kernel unavailable: {paged_decode.unavailable_reason()}")
 def test_bench_on_the_tiny_model(tmp_path):
-    assert calls.main(["--random-model", "tiny", "--rows", "2", "--tokens", "8",
-                       "--out", str(tmp_path)]) == 0
+    """In a process of its own: the call log is compiled only into an instrumented build,
+    which call_log.instrument() asks for before any kernel registers (this process has
+    registered them already)."""
+    import os
+    import subprocess
+    import sys
+    import cpu_kernels
+    code = ("import sys; from cpu_kernels import call_log; call_log.instrument(); "
+            "from jaxbatch.benchmarks import calls; sys.exit(calls.main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(cpu_kernels.__file__)), *[p for p in sys.path if p]]))
+    done = subprocess.run([sys.executable, "-c", code, "--random-model", "tiny", "--rows", "2",
+                           "--tokens", "8", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (result,) = json.loads((tmp_path / "calls.json").read_text())["results"]
     assert result["rows"] == 2 and result["steps"] >= 5
     kernels = {c["kernel"] for c in result["calls"]}

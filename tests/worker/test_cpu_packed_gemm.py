@@ -174,6 +174,13 @@ def test_the_option_turns_it_off():
     assert engine.stats()["matmuls"] == "XLA dots"
 
 
+def test_the_switch_turns_it_off(request):
+    import cpu_kernels
+    cpu_kernels.configure(mode="off")
+    request.addfinalizer(cpu_kernels.configure)
+    assert "turned off" in packed_gemm.why_not(jnp.bfloat16, 576, 960)
+
+
 def _compiled_texts(engine):
     """{key: compiled text} of the largest decode and prefill calls, and of the smallest
     prefill call when that one is under SILU_EPILOGUE_MIN_ROWS tokens."""
