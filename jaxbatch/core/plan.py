@@ -61,7 +61,6 @@ class SamplingRow:
 class AdapterLoad:
     """"Write this adapter's host weights into device slot `slot`" (slot 0 is no adapter)."""
     slot: int
-    lora_int_id: int
     weights: object                  # jaxbatch.lora.adapter.LoRAWeights (host numpy)
 
 

@@ -277,6 +277,8 @@ class LLMEngine(EngineBase):
                 self.runner.pool_owner = self
             plan = self.scheduler.schedule()
             if not plan.empty:
+                if self.lora is not None:      # LoRA: the adapter loads and slots ride the plan
+                    self.lora.plan_adapters(plan)
                 self.num_overlapped_steps += in_flight is not None
                 dispatched, read_early = self._dispatch(plan, in_flight)
                 if read_early is not None:
