@@ -310,6 +310,12 @@ class Scheduler:
                 if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
                 and not self._ends_with_pending_token(seq)]
 
+    def decodes_may_preempt(self, decoding: list[Sequence]) -> bool:
+        """Whether planning these decodes may preempt some of them: their next tokens need
+        more blocks than are free (admission never takes blocks running sequences need)."""
+        missing = sum(self.blocks.num_missing_blocks(s.seq_id, s.num_tokens) for s in decoding)
+        return missing > self.blocks.num_free_blocks
+
     def append_token(self, seq: Sequence, sampled: SampledToken, now: float | None = None) -> None:
         seq.output_token_ids.append(sampled.token_id)
         if seq.params.logprobs is not None:

@@ -7,7 +7,7 @@ sequence's samples are back (how many proposals stand), `propose_next` at the en
 runs here: as vLLM V1 proposes drafts after sampling, never while a step is planned), and
 `attach` when the next step's decodes and prefills are planned (which proposals ride in it,
 trimmed to what the step leaves over). It reaches the scheduler only through its public
-methods (`running`, `decode_ready`, `blocks`, `config`, `step_count`, `sampling_row`,
+methods (`running`, `decode_ready`, `decodes_may_preempt`, `blocks`, `config`, `step_count`, `sampling_row`,
 `append_token`). Settings and proposers are in `speculative.py`; the draft-model proposer in
 `draft_model.py`. Pure Python, no JAX."""
 from __future__ import annotations
@@ -48,8 +48,12 @@ class SpeculativePlanner:
         (at most `max_batch_size` decoding sequences)."""
         self._ready = {}
         ready = sched.decode_ready()
-        if not ready or len(ready) > self.config.max_batch_size:
-            return
+        if len(ready) > self.config.max_batch_size:
+            if not sched.decodes_may_preempt(ready):
+                return
+            # Preemption may leave few enough to speculate. It takes the policy's worst first,
+            # so the survivors are the first of `ready`.
+            ready = ready[:self.config.max_batch_size]
         wanted, rows = {}, {}
         for seq in ready:
             k = self._limit(sched, seq, sched.step_count + 1)
