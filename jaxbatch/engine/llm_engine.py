@@ -196,6 +196,25 @@ class LLMEngine(EngineBase):
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         return self.lora.check(lora_request)
 
+    # ---- LoRA adapters (EngineClient's adapter calls) -------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks the adapter (ValueError if bad) into the host cache, so requests
+        naming it need not read it again (the server's load, before any request uses it)."""
+        if self.lora is None:
+            return super().add_lora(lora_request)
+        self.lora.check(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forgets an adapter no unfinished request uses; False if unknown."""
+        if self.lora is None:
+            return super().remove_lora(lora_name)
+        return self.lora.remove(lora_name)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters requests have used and those read into the host cache."""
+        return set() if self.lora is None else set(self.lora.known) | set(self.lora.host)
+
     def _create_sequences(self, request_id, text, ids, params, priority, now, lora=None) -> None:
         seqs = []
         for i in range(params.n):
