@@ -57,6 +57,13 @@ class SamplingRow:
     logprobs: int | None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdapterLoad:
+    """"Write this adapter's host weights into device slot `slot`" (slot 0 is no adapter)."""
+    slot: int
+    weights: object                  # jaxbatch.lora.adapter.LoRAWeights (host numpy)
+
+
 @dataclasses.dataclass
 class StepPlan:
     step: int
@@ -66,6 +73,11 @@ class StepPlan:
     # seq_id -> the sampling row of each proposed token's verification row
     draft_sampling: dict[int, list[SamplingRow]] = dataclasses.field(default_factory=dict)
     dispatched: bool = False          # Scheduler.on_dispatched has run for it
+    # LoRA engines (jaxbatch/lora/): adapters to write into the device pool before this step's
+    # model calls (decided at admission, applied by the runner), and the adapter slot of each
+    # of the plan's sequences that uses one (absent: the base model).
+    adapter_loads: list["AdapterLoad"] = dataclasses.field(default_factory=list)
+    adapter_slots: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -10,8 +10,8 @@ stop strings need the tokenizer and are the engine's job (it calls `finish`).
 Blocks and the prefix cache belong to the KV cache manager (`kv_cache_manager.py`): an admitted
 sequence starts from the computed blocks it finds there; the blocks each dispatched prefill
 chunk completed are handed back to it for later prompts. Speculative decoding reaches the
-scheduler through the planner it is handed (`spec_decode/planner.py`): `propose` after the
-plan, `accept` in `update`.
+scheduler through the planner it is handed (`spec_decode/planner.py`): `accept` and then
+`propose_next` in `update`, `attach` (the proposals made after the last update) in the plan.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class Scheduler:
                  cache_namespace: str = "", speculation=None):
         """`cache_namespace` names what the KV depends on besides the tokens (model, dtype,
         block size): it roots every prefix-cache key. `speculation`: the speculative planner
-        (jaxbatch/spec_decode/planner.py: `propose` after planning, `accept` after update),
+        (jaxbatch/spec_decode/planner.py: `accept` and `propose_next` in update, `attach` in
+        the plan),
         or None."""
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -229,7 +230,8 @@ class Scheduler:
                 sampling[seq.seq_id] = self.sampling_row(seq)
             scheduled.add(seq.seq_id)
             budget -= chunk
-        draft_sampling = (self.speculation.propose(self, decodes, budget, sampling)
+        # Speculation: the proposals made after the last update (never proposed here).
+        draft_sampling = (self.speculation.attach(self, decodes, budget, sampling)
                           if self.speculation is not None else {})
         return StepPlan(self.step_count, prefills, decodes, sampling, draft_sampling)
 
@@ -295,7 +297,24 @@ class Scheduler:
             if seq_id in drafts:
                 self.speculation.accept(self, seq, drafts[seq_id], result.draft_sampled[seq_id])
             advanced.append(seq)
+        if self.speculation is not None:
+            # The step's tokens are in: the next step's proposals (a draft model runs here,
+            # after sampling as in vLLM V1, never while a step is planned).
+            self.speculation.propose_next(self)
         return advanced
+
+    def decode_ready(self) -> list[Sequence]:
+        """The running sequences the next plan will decode (one uncomputed token each, none
+        ending on a token still on device), in the policy's order; preemption may drop some."""
+        return [seq for seq in sorted(self.running, key=self._key)
+                if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                and not self._ends_with_pending_token(seq)]
+
+    def decodes_may_preempt(self, decoding: list[Sequence]) -> bool:
+        """Whether planning these decodes may preempt some of them: their next tokens need
+        more blocks than are free (admission never takes blocks running sequences need)."""
+        missing = sum(self.blocks.num_missing_blocks(s.seq_id, s.num_tokens) for s in decoding)
+        return missing > self.blocks.num_free_blocks
 
     def append_token(self, seq: Sequence, sampled: SampledToken, now: float | None = None) -> None:
         seq.output_token_ids.append(sampled.token_id)

@@ -60,14 +60,18 @@ class DataParallelEngine(EngineBase):
             work[routed.replica] += routed.remaining
         return work
 
-    def validate_request(self, request_id, prompt, params=None, priority: int = 0):
+    def validate_request(self, request_id, prompt, params=None, priority: int = 0,
+                         lora_request=None):
         if str(request_id) in self._routed:
             raise ValueError(f"request_id {str(request_id)!r} is already in use")
-        return self.replicas[0].validate_request(request_id, prompt, params, priority)
+        return self.replicas[0].validate_request(request_id, prompt, params, priority,
+                                                 lora_request)
 
     def add_request(self, request_id, prompt, params=None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        _, ids, params = self.validate_request(request_id, prompt, params, priority)
+                    arrival_time: float | None = None, lora_request=None) -> None:
+        # (Replicas refuse a LoRARequest: EngineConfig refuses enable_lora with replicas.)
+        _, ids, params = self.validate_request(request_id, prompt, params, priority,
+                                               lora_request)
         cached = [r.cached_prefix_tokens(ids, params) for r in self.replicas]
         cost = [w - c for w, c in zip(self.outstanding_work(), cached)]
         target = cost.index(min(cost))

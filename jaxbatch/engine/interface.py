@@ -21,10 +21,14 @@ class EngineClient(Protocol):
     config: object                # jaxbatch.core.config.SchedulerConfig (resolved sizes)
     is_leader: bool               # False on a process that follows another's steps
 
+    # `lora_request`: a jaxbatch.LoRARequest, or None for the base model (every engine takes
+    # it; one built without enable_lora refuses a LoRARequest with a ValueError).
     def validate_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                         priority: int = 0) -> tuple[str | None, list[int], SamplingParams]: ...
+                         priority: int = 0, lora_request=None
+                         ) -> tuple[str | None, list[int], SamplingParams]: ...
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None: ...
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request=None) -> None: ...
     def abort_request(self, request_id) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -38,6 +42,12 @@ class EngineClient(Protocol):
     def release(self) -> None: ...
     def shutdown(self) -> None: ...
     def prepare_for_serving(self) -> None: ...
+    # LoRA adapters (vLLM's names): read and check one into the host cache (ValueError with
+    # the reader's message), forget one no unfinished request uses (False if unknown), the ids
+    # of those the engine holds.
+    def add_lora(self, lora_request) -> bool: ...
+    def remove_lora(self, lora_name: str) -> bool: ...
+    def list_loras(self) -> set[int]: ...
 
 
 class EngineBase:
@@ -54,6 +64,15 @@ class EngineBase:
 
     def shutdown(self) -> None:
         """Ends the engine's helpers (a multi-process engine stops its followers)."""
+
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+
+    def remove_lora(self, lora_name: str) -> bool:
+        raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+
+    def list_loras(self) -> set[int]:
+        return set()
 
     def prepare_for_serving(self) -> None:
         """Work a server wants done before the first request, off the engine thread."""

@@ -106,9 +106,6 @@ class LLMEngine(EngineBase):
         # Host/device overlap: the step on the device while the host plans the next one.
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight = None
-        self._unread = None                # structured outputs: see _fill_bitmask
-        self._read_early: list[RequestOutput] = []
-        self._drafts: dict[int, list[int]] = {}   # the dispatching plan's proposals
         self.device_wait_seconds = 0.0     # time the host spent waiting for step results
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
@@ -199,6 +196,25 @@ class LLMEngine(EngineBase):
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         return self.lora.check(lora_request)
 
+    # ---- LoRA adapters (EngineClient's adapter calls) -------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks the adapter (ValueError if bad) into the host cache, so requests
+        naming it need not read it again (the server's load, before any request uses it)."""
+        if self.lora is None:
+            return super().add_lora(lora_request)
+        self.lora.check(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forgets an adapter no unfinished request uses; False if unknown."""
+        if self.lora is None:
+            return super().remove_lora(lora_name)
+        return self.lora.remove(lora_name)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters requests have used and those read into the host cache."""
+        return set() if self.lora is None else set(self.lora.known) | set(self.lora.host)
+
     def _create_sequences(self, request_id, text, ids, params, priority, now, lora=None) -> None:
         seqs = []
         for i in range(params.n):
@@ -280,12 +296,13 @@ class LLMEngine(EngineBase):
                 self.runner.pool_owner = self
             plan = self.scheduler.schedule()
             if not plan.empty:
-                self._unread = in_flight     # (structured outputs: may be read mid-dispatch)
-                dispatched = self._dispatch(plan)
+                if self.lora is not None:      # LoRA: the adapter loads and slots ride the plan
+                    self.lora.plan_adapters(plan)
                 self.num_overlapped_steps += in_flight is not None
-                in_flight, self._unread = self._unread, None
-                outputs += self._read_early
-                self._read_early = []
+                dispatched, read_early = self._dispatch(plan, in_flight)
+                if read_early is not None:
+                    outputs += read_early
+                    in_flight = None
         if in_flight is not None:
             outputs += self._finish_step(in_flight)
         if dispatched is not None:
@@ -300,33 +317,33 @@ class LLMEngine(EngineBase):
         ids = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
         return any(i in self._seqs and not self._seqs[i].is_finished for i in ids)
 
-    def _dispatch(self, plan):
+    def _dispatch(self, plan, in_flight):
+        """The step's one pass through the rooms: dispatch its forwards; then, only if some
+        row samples under a grammar, read the previous step (`in_flight`: its tokens advance
+        the matchers) and fill the masks while the forwards run; then dispatch sampling with
+        the masks as data. Steps without grammar rows never wait (as vLLM overlaps it).
+        -> (the dispatched step, the outputs of `in_flight` if it was read here, else None)."""
         next_tokens = {c.seq_id: self._seqs[c.seq_id].token_at(c.start + len(c.token_ids))
                        for c in plan.prefills if c.prompt_logprobs is not None
                        and c.start + len(c.token_ids) < self._seqs[c.seq_id].num_tokens}
-        # Structured outputs: the matchers fill each call's bitmask while its model call runs.
+        forwarded = self.runner.dispatch_model_calls(plan, next_tokens)
+        read_early, masks = None, None
         if self.structured.num_sequences:
-            self._drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
-            dispatched = self.runner.dispatch(plan, next_tokens, self._fill_bitmask)
-        else:
-            dispatched = self.runner.dispatch(plan, next_tokens)
+            rows = forwarded.sampling_rows()
+            if in_flight is not None and self._has_grammar_row(rows):
+                read_early = self._finish_step(in_flight)
+                self.structured.num_overlapped_fills += 1
+            drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
+            masks = [self.structured.fill_bitmask(part_rows, drafts) for part_rows in rows]
+        dispatched = self.runner.dispatch_sampling(forwarded, masks)
         self.num_steps += 1
         blocks = self.scheduler.blocks
         self.step_log.append((time.monotonic(), len(plan.decodes) + len(plan.prefills),
                               blocks.num_total_blocks - blocks.num_free_blocks, plan.num_tokens))
-        return dispatched
+        return dispatched, read_early
 
-    def _fill_bitmask(self, rows) -> np.ndarray | None:
-        """Structured outputs, as vLLM overlaps them: the runner calls this with a call's forward
-        already on the device; only then is the previous step read (its tokens advance the
-        matchers), and the mask its sampling needs filled. Steps without grammar rows never
-        wait here."""
-        if self._unread is not None and any(r is not None and self.structured.has(r.seq_id)
-                                            for r in rows):
-            unread, self._unread = self._unread, None
-            self._read_early += self._finish_step(unread)
-            self.structured.num_overlapped_fills += 1
-        return self.structured.fill_bitmask(rows, self._drafts)
+    def _has_grammar_row(self, rows) -> bool:
+        return any(r is not None and self.structured.has(r.seq_id) for part in rows for r in part)
 
     def _finish_step(self, dispatched) -> list[RequestOutput]:
         """Reads a dispatched step's tokens, applies them and the stops, and makes the outputs."""

@@ -19,6 +19,7 @@ the same way; only the leader hands outputs to callers. The broadcast is JAX's o
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import signal
@@ -28,12 +29,20 @@ import time
 import jax
 import numpy as np
 
+from jaxbatch.engine.commands import AbortRequest, AddRequest, ResetPrefixCache
 from jaxbatch.engine.interface import EngineBase
 
 logger = logging.getLogger(__name__)
 
-_RELEASE = "release"   # the leader left its step loop (LLM.generate returned): followers return
-_STOP = "stop"         # the leader is shutting down: followers return and do not come back
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """The leader left its step loop (LLM.generate returned): followers return."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """The leader is shutting down: followers return and do not come back."""
 
 
 def initialize(coordinator_address: str | None, num_processes: int, process_id: int) -> None:
@@ -75,14 +84,15 @@ class MultiHostEngine(EngineBase):
     def __init__(self, engine):
         self.engine = engine
         self.is_leader = jax.process_index() == 0
-        self._commands: list[tuple] = []
+        self._commands: list[AddRequest | AbortRequest | ResetPrefixCache] = []
         self.tokenizer, self.model_config, self.config = (engine.tokenizer, engine.model_config,
                                                           engine.config)
         self.eos_token_ids = engine.eos_token_ids
 
     # Questions every process can answer alike.
-    def validate_request(self, *args, **kwargs):
-        return self.engine.validate_request(*args, **kwargs)
+    def validate_request(self, request_id, prompt, params=None, priority: int = 0,
+                         lora_request=None):
+        return self.engine.validate_request(request_id, prompt, params, priority, lora_request)
 
     def has_pending_outputs(self) -> bool:
         return self.engine.has_pending_outputs()
@@ -109,23 +119,24 @@ class MultiHostEngine(EngineBase):
                                f"{jax.process_index()} follows it (MultiHostEngine.follow)")
 
     def add_request(self, request_id, prompt, params=None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:
         self._leader_only("add_request")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.engine.add_request(request_id, prompt, params, priority, arrival_time)
+        command = AddRequest(request_id, prompt, params, priority, arrival_time, lora_request)
+        command.apply(self.engine)
         # Recorded only once accepted: a rejected request changes no process's state.
-        self._commands.append(("add", request_id, prompt, params, priority, arrival_time))
+        self._commands.append(command)
 
     def abort_request(self, request_id) -> None:
         self._leader_only("abort_request")
         self.engine.abort_request(request_id)
-        self._commands.append(("abort", request_id))
+        self._commands.append(AbortRequest(request_id))
 
     def reset_prefix_cache(self) -> bool:
         """Every process forgets its cached prefixes at the same point (their schedulers must
         keep making the same decisions)."""
         self._leader_only("reset_prefix_cache")
-        self._commands.append(("reset_prefix_cache",))
+        self._commands.append(ResetPrefixCache())
         return self.engine.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
@@ -140,11 +151,11 @@ class MultiHostEngine(EngineBase):
     def release(self) -> None:
         """Ends the followers' current `follow()` (LLM.generate calls it when its batch is done)."""
         self._leader_only("release")
-        _broadcast(pickle.dumps(_RELEASE))
+        _broadcast(pickle.dumps(Release()))
 
     def shutdown(self) -> None:
         if self.is_leader:
-            _broadcast(pickle.dumps(_STOP))
+            _broadcast(pickle.dumps(Stop()))
 
     # ---- followers -------------------------------------------------------------------------
     def follow(self) -> bool:
@@ -153,15 +164,9 @@ class MultiHostEngine(EngineBase):
             raise RuntimeError("process 0 leads; it does not follow")
         while True:
             commands = pickle.loads(_broadcast(None))
-            if commands in (_RELEASE, _STOP):
-                return commands == _RELEASE
-            for command in commands:
-                if command[0] == "add":
-                    _, rid, prompt, params, priority, arrival = command
-                    self.engine.add_request(rid, prompt, params, priority, arrival)
-                elif command[0] == "reset_prefix_cache":
-                    self.engine.reset_prefix_cache()
-                else:
-                    self.engine.abort_request(command[1])
+            if isinstance(commands, (Release, Stop)):
+                return isinstance(commands, Release)
+            for command in commands:     # in the leader's order, with its arrival times
+                command.apply(self.engine)
             # Outputs are the leader's to hand out; this process only keeps in step.
             self.engine.step()

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
 import traceback
 from typing import AsyncIterator, Callable
 
+from jaxbatch.engine.commands import AbortRequest, AddRequest, ResetPrefixCache
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 # Moved out to keep this file under the size rule; imported from here as before.
@@ -98,6 +100,14 @@ class RequestStream:
             self.llm.abort(self.request_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineCall:
+    """`fn(engine)` on the engine thread between steps; its result or error settles `future`
+    (on the event loop)."""
+    fn: Callable
+    future: asyncio.Future
+
+
 class AsyncLLM:
     def __init__(self, engine_factory: Callable[[], object], *, max_queued_requests: int | None = None,
                  metrics=None, on_dead: Callable[[BaseException], None] | None = None):
@@ -117,7 +127,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
-        self._commands: list[tuple] = []       # guarded by _cv
+        self._commands: list = []              # guarded by _cv; engine/commands.py records
         self._stop = False                     # guarded by _cv
         self._mailboxes: dict[str, _Mailbox] = {}   # loop only
         self._admitted = 0                     # loop only
@@ -238,7 +248,7 @@ class AsyncLLM:
         box = _Mailbox(self._loop)
         self._mailboxes[request_id] = box
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._submit(("add", request_id, prompt, params, priority, arrival, lora_request))
+        self._submit(AddRequest(request_id, prompt, params, priority, arrival, lora_request))
         try:
             await box.accepted
         except BaseException:
@@ -246,7 +256,7 @@ class AsyncLLM:
             if self._mailboxes.get(request_id) is box:
                 del self._mailboxes[request_id]
                 self._maybe_idle()
-            self._submit(("abort", request_id))
+            self._submit(AbortRequest(request_id))
             raise
         return RequestStream(self, request_id, box)
 
@@ -272,20 +282,20 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Non-blocking; the final output (finish_reason "abort") arrives after the next step."""
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
     def reset_prefix_cache(self) -> None:
         """Non-blocking; done by the engine thread before its next step."""
-        self._submit(("reset_prefix_cache",))
+        self._submit(ResetPrefixCache())
 
     async def call(self, fn):
         """`fn(engine)` run on the engine thread between steps (LoRA loads): its result, or
         what it raised."""
         future = self._loop.create_future()
-        self._submit(("call", fn, future))
+        self._submit(EngineCall(fn, future))
         return await future
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command) -> None:
         with self._cv:
             self._commands.append(command)
             self._cv.notify()
@@ -355,26 +365,23 @@ class AsyncLLM:
                 commands, self._commands = self._commands, []
                 stop = self._stop
             for command in commands:
-                if command[0] == "add":
-                    _, rid, prompt, params, priority, arrival, lora = command
+                if isinstance(command, AddRequest):
                     try:
-                        engine.add_request(rid, prompt, params, priority=priority,
-                                           arrival_time=arrival,
-                                           **({"lora_request": lora} if lora else {}))
+                        command.apply(engine)
                     except Exception as e:   # noqa: BLE001 - a bad request must not kill the thread
-                        self._post(self._accept, rid, e)
+                        self._post(self._accept, command.request_id, e)
                         continue
-                    live.add(rid)
-                    self._post(self._accept, rid, None)
-                elif command[0] == "reset_prefix_cache":
-                    engine.reset_prefix_cache()
-                elif command[0] == "call":
+                    live.add(command.request_id)
+                    self._post(self._accept, command.request_id, None)
+                elif isinstance(command, ResetPrefixCache):
+                    command.apply(engine)
+                elif isinstance(command, EngineCall):
                     try:
-                        self._post(_settle, command[2], command[1](engine), None)
+                        self._post(_settle, command.future, command.fn(engine), None)
                     except Exception as e:   # noqa: BLE001 - answered to the caller
-                        self._post(_settle, command[2], None, e)
-                elif command[1] in live:
-                    engine.abort_request(command[1])
+                        self._post(_settle, command.future, None, e)
+                elif command.request_id in live:
+                    command.apply(engine)
             if stop:
                 engine.abort_request(list(live))
             outputs = engine.step()      # also returns the final outputs of aborted requests

@@ -76,12 +76,10 @@ class LLM:
     def _generate(self, engine, requests, use_tqdm: bool) -> list[RequestOutput]:
         # All or nothing: check the whole batch before adding any of it.
         ids = [str(next(self._ids)) for _ in requests]
-        # lora_request is passed only when given: engines without LoRA take no such argument.
-        lora = [{} if lr is None else {"lora_request": lr} for *_, lr in requests]
-        for rid, (prompt, params, prio, _), kw in zip(ids, requests, lora):
-            engine.validate_request(rid, prompt, params, prio, **kw)
-        for rid, (prompt, params, prio, _), kw in zip(ids, requests, lora):
-            engine.add_request(rid, prompt, params, priority=prio, **kw)
+        for rid, (prompt, params, prio, lora) in zip(ids, requests):
+            engine.validate_request(rid, prompt, params, prio, lora_request=lora)
+        for rid, (prompt, params, prio, lora) in zip(ids, requests):
+            engine.add_request(rid, prompt, params, priority=prio, lora_request=lora)
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts") as bar:

@@ -13,17 +13,20 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
+from jaxbatch.core.plan import StepPlan
 from jaxbatch.core.request import Sequence
 from jaxbatch.lora.adapter import LoRAWeights
-from jaxbatch.lora.pool import LoRAPool
+from jaxbatch.lora.load_queue import AdapterLoadQueue
 from jaxbatch.lora.request import LoRARequest
 
 
 class LoRAManager:
-    def __init__(self, pool: LoRAPool, read: Callable[[str], LoRAWeights],
+    def __init__(self, pool: AdapterLoadQueue, read: Callable[[str], LoRAWeights],
                  max_cpu_loras: int | None = None):
-        """`read(path)`: the adapter at `path` (raises ValueError), e.g. `adapter.read_peft_adapter`
-        bound to the model's shapes."""
+        """`pool`: where the loads it decides go (`num_slots`, `load(slot, weights)`): a host
+        queue the plans drain (`plan_adapters`), never the device. `read(path)`: the adapter at
+        `path` (raises ValueError), e.g. `adapter.read_peft_adapter` bound to the model's
+        shapes."""
         self.pool = pool
         self._read = read
         self.max_loras = pool.num_slots - 1
@@ -136,6 +139,15 @@ class LoRAManager:
             if self.live[lid] <= 0:
                 del self.live[lid]
             self._trim_host()
+
+    # ---- the plan -------------------------------------------------------------------------
+    def plan_adapters(self, plan: StepPlan) -> None:
+        """What a dispatched plan carries to the runner: the loads decided since the last plan
+        (applied before its model calls), and the slot of each of its sequences that uses an
+        adapter. Called for non-empty plans only: loads decided meanwhile wait for the next."""
+        plan.adapter_loads = self.pool.take()
+        ids = [d.seq_id for d in plan.decodes] + [c.seq_id for c in plan.prefills]
+        plan.adapter_slots = {i: self.seq_slot[i] for i in ids if i in self.seq_slot}
 
     # ---- slots ---------------------------------------------------------------------------
     def _evictable(self) -> int | None:

@@ -3,7 +3,8 @@ and each token row's slot (0 = no adapter), so a batch mixes adapters freely wit
 shapes; a call whose rows all use the base model runs the plain executable, exactly today's
 path. So each model-call key has a "_lora" twin ("decode_lora", rows, size), both compiled
 at warm-up. The pool is an input like the params, never donated: loading an adapter rebinds
-`lora_pool.arrays`."""
+`lora_pool.arrays`. What to load and each sequence's slot come in the plan (decided on the
+host by the LoRA manager, `StepPlan.adapter_loads` / `adapter_slots`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,10 +27,18 @@ class LoRARunner(ModelRunner):
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
         self.lora_pool = LoRAPool(target_shapes(self.params), num_layers_of(self.params),
                                   max_loras, max_lora_rank)
-        self.seq_slot: dict[int, int] = {}       # the LoRA manager's: running seq_id -> slot
+        self._adapter_slots: dict[int, int] = {}    # the dispatching plan's seq_id -> slot
         functions = self.executables.functions
         for kind in MODEL_CALLS:     # the same function, called with the pool appended
             functions[kind + LORA] = functions[kind]
+
+    def apply_adapter_loads(self, plan) -> None:
+        """Before the plan's model calls: the adapters it loads written into their slots (one
+        in-place device write each, compiled when the pool was made), and its slots kept for
+        laying out the calls' per-row slots."""
+        for load in plan.adapter_loads:
+            self.lora_pool.load(load.slot, load.weights)
+        self._adapter_slots = plan.adapter_slots
 
     def bucket_shapes(self) -> list[tuple]:
         keys = super().bucket_shapes()
@@ -69,8 +78,8 @@ class LoRARunner(ModelRunner):
             return slots
         if key[0] == "decode":
             for i, (seq_id, _) in enumerate(call.decode_rows):
-                slots[i] = self.seq_slot.get(seq_id, 0)
+                slots[i] = self._adapter_slots.get(seq_id, 0)
             return slots
         for chunk, q0 in zip(call.chunks, call.q_starts):
-            slots[q0:q0 + len(chunk.token_ids)] = self.seq_slot.get(chunk.seq_id, 0)
+            slots[q0:q0 + len(chunk.token_ids)] = self._adapter_slots.get(chunk.seq_id, 0)
         return slots

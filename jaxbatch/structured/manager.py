@@ -6,14 +6,15 @@ Lifecycle, as the engine drives it:
                          llguidance's message; changes nothing
   add(seq)               after the request's sequences exist: a copy of the compiled matcher each
   advance(seq)           after Scheduler.update: feeds the output tokens not yet consumed
-  fill_bitmask(rows)     at dispatch, per model call: [rows, ceil(V/32)] int32, or None when no
-                         row of the call has a grammar
+  fill_bitmask(rows)     while the step's forwards run, per sampled part: [rows, ceil(V/32)]
+                         int32, or None when no row of the part has a grammar; the engine hands
+                         the masks to the runner's sampling as data
   remove(seq_id)         when the request ends or is aborted
 
 Matchers count the output tokens they consumed, so a recompute preemption (which keeps the
 tokens) feeds nothing twice. With host/device overlap, a step with grammar rows is planned and
-its forward dispatched before the previous step is read; the engine reads it when the runner
-asks for the mask (LLMEngine._fill_bitmask), so only the sampling waits. Speculation: each
+its forwards dispatched before the previous step is read; the engine then reads it, advances
+the matchers and fills the masks (LLMEngine._dispatch), so only the sampling waits. Speculation: each
 verification row's mask comes from the matcher advanced over the proposals before it and rolled
 back at once; the accepted ones are consumed when the scheduler appends them (`advance`), so
 rejected proposals never reach the matcher.

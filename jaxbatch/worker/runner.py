@@ -41,6 +41,7 @@ from jaxbatch.model.layers import unsharded
 from jaxbatch.model.quantize import params_are_quantized
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
+from jaxbatch.worker.dispatched import DispatchedStep, ForwardedPart, ForwardedStep
 from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
@@ -222,21 +223,47 @@ class ModelRunner:
         return self.params, self.pool, inputs
 
     # ---- one engine step -----------------------------------------------------------------
-    def _dispatch(self, call: ModelCall, bitmask_fn=None) -> list:
-        """Model call, then its sampling (and prompt logprobs): device arrays, nothing read.
-        `bitmask_fn(rows)`: the grammar bitmask of the call's rows, or None (structured outputs;
-        filled while the model call runs). -> [(call, outputs)], one per part of a mixed call."""
+    # The engine drives a step in two calls, so nothing here calls back up into it:
+    # `dispatch_model_calls` (forwards on the device), then, once the engine has filled the
+    # grammar masks while they run, `dispatch_sampling(forwarded, masks)`.
+    def dispatch_model_calls(self, plan: StepPlan, next_tokens: dict[int, int]) -> ForwardedStep:
+        """Lays out and dispatches every model call of the step; returns at once (JAX runs them
+        asynchronously). `next_tokens[seq_id]`: the token after a prefill chunk (for prompt
+        logprobs), -1 if none."""
+        started = time.perf_counter()
+        self.apply_adapter_loads(plan)
+        parts = [part for call in self.layout.model_calls(plan, next_tokens)
+                 for part in self._dispatch(call)]
+        return ForwardedStep(plan, next_tokens, parts, started)
+
+    def apply_adapter_loads(self, plan: StepPlan) -> None:
+        """What the plan asks of the device before its model calls: nothing in a plain runner
+        (a LoRA runner writes the adapters the plan loads, jaxbatch/lora/runner.py)."""
+        if plan.adapter_loads:
+            raise ValueError("a plan loading LoRA adapters needs a LoRA engine's runner")
+
+    def _dispatch(self, call: ModelCall) -> list[ForwardedPart]:
+        """A model call: device arrays, nothing read. -> one part per sampled part of the call
+        (a mixed call's decode and prefill parts are sampled apart)."""
         out = self._run(call.key, self._model_args(call.key, call.args, call))
         self.pool = out[-1]
         if call.parts is not None:          # (decode logits, prefill logits, prefill hidden)
             decode, prefill = call.parts
-            return [(decode, self._sample(decode, out[0], None, bitmask_fn)),
-                    (prefill, self._sample(prefill, out[1], out[2], bitmask_fn))]
-        return [(call, self._sample(call, out[0], out[1] if call.key[0] == "prefill" else None,
-                                    bitmask_fn))]
+            return [ForwardedPart(decode, out[0], None), ForwardedPart(prefill, out[1], out[2])]
+        return [ForwardedPart(call, out[0], out[1] if call.key[0] == "prefill" else None)]
 
-    def _sample(self, call: ModelCall, logits, hidden, bitmask_fn):
-        arrays = self._sampling_arrays(call.rows, bitmask_fn(call.rows) if bitmask_fn else None)
+    def dispatch_sampling(self, step: ForwardedStep, masks: list | None = None) -> DispatchedStep:
+        """Samples every part of a forwarded step (and its prompt logprobs). `masks`: per part
+        (`step.sampling_rows()`'s order) its grammar bitmask [rows, ceil(V/32)] int32 or None
+        (structured outputs); None: no part has one."""
+        masks = masks or [None] * len(step.parts)
+        pending = [(part.call, self._sample(part.call, part.logits, part.hidden, mask))
+                   for part, mask in zip(step.parts, masks, strict=True)]
+        return DispatchedStep(step.plan, step.next_tokens, pending,
+                              time.perf_counter() - step.started)
+
+    def _sample(self, call: ModelCall, logits, hidden, bitmask):
+        arrays = self._sampling_arrays(call.rows, bitmask)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
             (kind, len(call.rows)), (logits, arrays, self.kept_tokens, call.token_slots) + verify)
@@ -252,16 +279,10 @@ class ModelRunner:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
         return self.collect(self.dispatch(plan, next_tokens))
 
-    def dispatch(self, plan: StepPlan, next_tokens: dict[int, int],
-                 bitmask_fn=None) -> "DispatchedStep":
-        """Lays out and dispatches every call of the step; returns at once (JAX runs them
-        asynchronously), so the host can plan the next step meanwhile. `bitmask_fn`: see
-        `_dispatch`."""
-        start = time.perf_counter()
-        # Dispatch every call before reading anything back.
-        pending = [part for call in self.layout.model_calls(plan, next_tokens)
-                   for part in self._dispatch(call, bitmask_fn)]
-        return DispatchedStep(plan, next_tokens, pending, time.perf_counter() - start)
+    def dispatch(self, plan: StepPlan, next_tokens: dict[int, int]) -> DispatchedStep:
+        """A whole step with no grammar masks (model calls, then their sampling); returns at
+        once, so the host can plan the next step meanwhile."""
+        return self.dispatch_sampling(self.dispatch_model_calls(plan, next_tokens))
 
     def collect(self, step: "DispatchedStep") -> StepResult:
         """Waits for a dispatched step and reads its tokens (and logprobs) back."""
@@ -327,14 +348,6 @@ class ModelRunner:
         out = self.executables.run(key, self.example_args(key))
         self.pool = out[-1]
         jax.block_until_ready(out)
-
-
-class DispatchedStep:
-    """A step whose calls are on the device: the plan, and each call's unread outputs."""
-    def __init__(self, plan: StepPlan, next_tokens: dict[int, int], pending: list,
-                 dispatch_seconds: float):
-        self.plan, self.next_tokens, self.pending = plan, next_tokens, pending
-        self.dispatch_seconds = dispatch_seconds
 
 
 def _has_int8(params) -> bool:

@@ -24,7 +24,7 @@ class FakeEngine:
         self.num_steps = 0
         self.step_threads = set()
 
-    def add_request(self, rid, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, lora_request=None):
         if not prompt or rid in self.reqs:
             raise ValueError(f"bad request {rid!r}")
         self.reqs[rid] = (list(prompt), [], params)

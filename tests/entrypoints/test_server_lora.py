@@ -214,11 +214,11 @@ def test_unload_refuses_an_adapter_an_admitted_request_holds():
 
     class FakeLLM:   # AsyncLLM.call runs fn on the engine thread; here, on a stand-in engine
         async def call(self, fn):
-            class Manager:
-                def remove(self, name):
+            class Engine:
+                def remove_lora(self, name):
                     removed.append(name)
                     return True
-            return fn(type("Engine", (), {"lora": Manager()})())
+            return fn(Engine())
 
     registry = LoRARegistry("base", True, {"a": "/some/peft"})
     request = registry.resolve("a")

@@ -4,9 +4,9 @@ A request selects an adapter by naming it in `"model"`; `/v1/models` lists each 
 the base model as `parent`; `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and
 `POST /v1/unload_lora_adapter {"lora_name"}` change the set at run time.
 
-The registry lives on the event loop only. Adapters are read and checked by the engine's own
-LoRA manager on the engine thread (`AsyncLLM.call`), so a bad adapter gets the reader's
-message. Unloading an adapter that an admitted request still holds is refused (400), never
+The registry lives on the event loop only. Adapters are read and checked by the engine
+(`EngineClient.add_lora` / `remove_lora`) on the engine thread (`AsyncLLM.call`), so a bad
+adapter gets the reader's message. Unloading an adapter that an admitted request still holds is refused (400), never
 deferred: each request holds its adapter from the moment its "model" is resolved (in the same
 event-loop tick as its admission) until its response is done, so an unload cannot slip in
 between a request's resolution and its add_request. lora_int_ids are never reused: the prefix
@@ -83,7 +83,7 @@ class LoRARegistry:
         """On the engine thread, once the engine is built: a bad --lora-modules adapter raises
         the reader's ValueError, so the server refuses to start saying why."""
         for request in self.adapters.values():
-            engine.lora.check(request)
+            engine.add_lora(request)
 
     def resolve(self, name: str | None) -> LoRARequest | None:
         """The adapter `"model"` names; None for the base model (or no name); 404 otherwise."""
@@ -108,7 +108,7 @@ class LoRARegistry:
         request = LoRARequest(name, next(self._ids), path)
         self._loading.add(name)        # a second load of the same name meanwhile: 400
         try:
-            await llm.call(lambda engine: engine.lora.check(request))
+            await llm.call(lambda engine: engine.add_lora(request))
         except ValueError as e:
             raise APIError(400, str(e), "lora_path") from None
         finally:
@@ -125,7 +125,7 @@ class LoRARegistry:
                                 "request(s); unload it once they finish.", "lora_name")
         del self.adapters[name]        # from now on, requests naming it get 404
         try:
-            await llm.call(lambda engine: engine.lora.remove(name))
+            await llm.call(lambda engine: engine.remove_lora(name))
         except ValueError as e:        # the engine still runs a request with it: keep it
             self.adapters[name] = request
             raise APIError(400, str(e), "lora_name") from None
