@@ -22,7 +22,7 @@
                      without AMX at a few dozen rows
     prefill floor    matmul FLOPs of the chunk / GEMM peak
 
-Decode: `slots` requests decoding in lockstep (decode_floor's steady engine, every length inside
+Decode: `slots` requests decoding in lockstep (`steady_decode_engine`, every length inside
 (ctx/2, ctx]). `--steps` rounds, each timing one `engine.step()` whole without host/device
 overlap, then a few consecutive steps with it (`async_scheduling`, the engine's default): the
 period at which a running engine decodes, its host work done while the device runs (on a
@@ -135,6 +135,26 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
+    """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
+    length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
+    prefill in the first step. No host/device overlap: a step is timed whole, with nothing of
+    it still running on the device while the pieces are timed."""
+    from jaxbatch import SamplingParams
+    from jaxbatch.engine.llm_engine import LLMEngine
+    engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
+                       num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
+                       max_num_batched_tokens=slots * ctx + slots, warmup=False,
+                       attention_backend=backend, async_scheduling=False)
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
+    for i in range(slots):
+        prompt = rng.integers(0, vocab, ctx - (rounds + 3)).tolist()
+        engine.add_request(f"r{i}", prompt, params)
+    return engine
+
+
 # Engine steps per timed round of `decode_rows`: one that reads back the overlapped step still
 # in flight, the timed one without overlap, one that dispatches, and OVERLAPPED_STEPS timed.
 OVERLAPPED_STEPS = 2
@@ -145,7 +165,6 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
                 read_bandwidth: float) -> dict:
     """`steps` rounds, each one step timed without overlap and OVERLAPPED_STEPS with it, in
     one engine: interleaved, so a slow moment of the machine hits both alike."""
-    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
     engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0)
     engine.step()                                    # every prefill
     engine.step()                                    # first decode: compiles it

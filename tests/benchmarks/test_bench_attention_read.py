@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxbatch.benchmarks import attention_read
+from benchmarks import attention_read
 
 
 def test_page_tables_hold_every_page_once_in_their_order():
