@@ -13,6 +13,8 @@ public observation points (observer.py); nothing in the package imports from her
 INSTRUMENTS = {
     # peers and the GPU harness
     "vs-vllm": ("vs_vllm", "jaxbatch vs vLLM's CPU build, offline LLM.generate, interleaved"),
+    "serve-launch": ("serve_launch", "jaxbatch bench serve with servers started here (jaxbatch, "
+                     "vLLM) and served against offline, interleaved"),
     "vllm-offline": ("vllm_offline", "vLLM's side of vs-vllm (run with vLLM's venv python)"),
     "hf-offline": ("hf_offline", "HF transformers' side of vs-vllm"),
     "throughput-hf": ("hf_baselines", "jaxbatch bench throughput + HF generate / generate_batch"),

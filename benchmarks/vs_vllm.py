@@ -27,7 +27,7 @@ from pathlib import Path
 
 from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
 from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
-from jaxbatch.benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
+from benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
 from jaxbatch.benchmarks.workloads import make_workload
 
 
@@ -42,7 +42,7 @@ def run_jaxbatch(args, caching: str, out_dir: Path, dtype: str) -> float:
             "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{dtype}_{caching}.json")}
     spec_path = out_dir / f"jaxbatch_spec_{dtype}_{caching}.json"
     spec_path.write_text(json.dumps(spec))
-    subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.serve", "--offline-worker",
+    subprocess.run([sys.executable, "-m", "benchmarks.serve_launch", "--offline-worker",
                     str(spec_path)], check=True, cwd=REPO)
     return json.loads(Path(spec["out"]).read_text())["output_tokens_per_s"]
 

@@ -29,7 +29,7 @@
 # would add (docs/PARALLELISM.md): tests/helpers/tp_checks.py on real devices (NCCL all-reduces, the
 # Pallas kernels under shard_map lowered for cuda; XLA_FLAGS unset, jax.device_count() >= 8),
 # decode step time at tensor_parallel_size 1/2/4/8 against the weight-bandwidth floor / T plus
-# the all-reduce time, and `jaxbatch bench scaleout --device gpu --data-parallel-size N` for
+# the all-reduce time, and `python -m benchmarks scaleout --device gpu --data-parallel-size N` for
 # the replica speed-up.
 set -uo pipefail
 

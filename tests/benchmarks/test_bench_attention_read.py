@@ -1,4 +1,4 @@
-"""`jaxbatch bench attention-read`: decode attention alone against the read probe."""
+"""`python -m benchmarks attention-read`: decode attention alone against the read probe."""
 import json
 
 import numpy as np

@@ -21,7 +21,7 @@ SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.
 NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "structured", "lora",
          "quant", "roofline")
 # The instruments outside the wheel that README.md and docs/BENCHMARKS.md run by name.
-INSTRUMENTS = ("vs-vllm", "throughput-hf", "throughput-gpu", "gpu-e2e", "scaleout", "overlap",
+INSTRUMENTS = ("vs-vllm", "serve-launch", "throughput-hf", "throughput-gpu", "gpu-e2e", "scaleout", "overlap",
                "profile", "ops", "calls", "gemm", "attention-read", "step-keys", "detok",
                "families", "accuracy", "hostile")
 
