@@ -36,12 +36,13 @@ def main(argv=None):
     import jax
     import numpy as np
     from jaxbatch import LLM
-    runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
-                 compilation_cache=False).llm_engine.runner
-    missing = [name for name in ("model_args", "sampling_arrays") if not hasattr(runner, name)]
-    if missing:
+    from jaxbatch.worker.runner import ModelRunner
+    missing = [name for name in ("model_args", "sampling_arrays") if not hasattr(ModelRunner, name)]
+    if missing:          # said before a model loads
         raise SystemExit(f"step-keys needs the runner's public {', '.join(missing)} "
                          "(the executables' argument layout); this runner has none")
+    runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
+                 compilation_cache=False).llm_engine.runner
     keys = [(k.split(",")[0],) + tuple(int(x) for x in k.split(",")[1:]) for k in args.keys]
     exes = {k: runner.executables.lower(k, runner.example_args(k)).compile() for k in keys}
 

@@ -170,3 +170,13 @@ def test_profile_floor_counts_every_token_once_through_the_matrices(monkeypatch)
     flops = 2 * (2 * 3 * per_layer * tokens + 2 * 10 * 8 * 3 + 4 * 3 * 2 * 4 * keys)
     assert floor["gflop"] == pytest.approx(flops / 1e9)
     assert floor["seconds"] == pytest.approx(flops / 1e9)
+
+
+def test_step_keys_names_the_public_runner_hooks_it_needs(monkeypatch):
+    """The instrument runs executables on the runner's argument layout; without a public form
+    of it, it says which hooks it needs, before any model loads (no private call instead)."""
+    from benchmarks import step_keys
+    from jaxbatch.worker.runner import ModelRunner
+    monkeypatch.delattr(ModelRunner, "model_args", raising=False)
+    with pytest.raises(SystemExit, match="model_args"):
+        step_keys.main(["decode,4,1"])
