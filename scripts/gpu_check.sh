@@ -10,7 +10,7 @@
 #    availability (Pallas Triton or the xla fallback), correctness of every attention path
 #    against the reference, copy bandwidth, kernel timings (these stop early at a soft budget
 #    40 s under the limit), JAX's shipped paged_attention on the same inputs.
-# 2. end-to-end (GPU_CHECK_E2E_S, default 260 s): python -m jaxbatch.benchmarks.gpu_e2e, in its own process
+# 2. end-to-end (GPU_CHECK_E2E_S, default 260 s): python -m benchmarks.gpu_e2e, in its own process
 #    after step 1 has exited (the GPU memory step 1 held is free again): random-weight small,
 #    1B and 8B models in bf16, decode speed (8B also with an int8 KV cache + int8 weights),
 #    greedy tokens against the reference path with the near-tie rule
@@ -29,7 +29,7 @@
 # would add (docs/PARALLELISM.md): tests/helpers/tp_checks.py on real devices (NCCL all-reduces, the
 # Pallas kernels under shard_map lowered for cuda; XLA_FLAGS unset, jax.device_count() >= 8),
 # decode step time at tensor_parallel_size 1/2/4/8 against the weight-bandwidth floor / T plus
-# the all-reduce time, and `jaxbatch bench scaleout --device gpu --data-parallel-size N` for
+# the all-reduce time, and `python -m benchmarks scaleout --device gpu --data-parallel-size N` for
 # the replica speed-up.
 set -uo pipefail
 
@@ -76,13 +76,13 @@ rc=$?
 echo "$rc" > "$OUT/kernels.rc"
 [ "$rc" = 0 ] || echo "[gpu_check] kernels section exited with rc=$rc"
 
-if [ -f jaxbatch/benchmarks/gpu_e2e.py ]; then
-  echo "[gpu_check] end-to-end: python -m jaxbatch.benchmarks.gpu_e2e (limit ${E2E_S}s, soft budget ${E2E_BUDGET}s)"
-  timeout -k 10 "$E2E_S" "$PYTHON" -m jaxbatch.benchmarks.gpu_e2e --out "$OUT" --budget-s "$E2E_BUDGET" \
+if [ -f benchmarks/gpu_e2e.py ]; then
+  echo "[gpu_check] end-to-end: python -m benchmarks.gpu_e2e (limit ${E2E_S}s, soft budget ${E2E_BUDGET}s)"
+  timeout -k 10 "$E2E_S" "$PYTHON" -m benchmarks.gpu_e2e --out "$OUT" --budget-s "$E2E_BUDGET" \
     ${E2E_ARGS[@]+"${E2E_ARGS[@]}"} 2>&1 | tee "$OUT/e2e.log"
   echo "${PIPESTATUS[0]}" > "$OUT/e2e.rc"
 else
-  echo "missing: jaxbatch/benchmarks/gpu_e2e.py" > "$OUT/e2e.skipped"
+  echo "missing: benchmarks/gpu_e2e.py" > "$OUT/e2e.skipped"
 fi
 
 # The report prints the table last and sets the exit status; if it cannot run, that is a failure.

@@ -1,7 +1,6 @@
 """Random-weight models of real shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B, and "tiny" for
-CPU runs and tests) in the engine's params layout, and what the GPU benchmarks measure beside
-them: weight and KV bytes, device copy bandwidth. Used by gpu_e2e.py, `jaxbatch bench
-throughput --device gpu` and the tests (through gpu_e2e, which re-exports these names)."""
+CPU runs and tests) in the engine's params layout: `jaxbatch bench roofline` and `lora` run
+them, and so do the GPU harness (benchmarks/gpu_e2e.py) and the tests."""
 from __future__ import annotations
 
 import math
@@ -112,29 +111,6 @@ def random_model(name: str, dtype: str = "bfloat16", seed: int = 0,
     params = random_params(cfg, DTYPES[dtype], seed)
     return LoadedModel(cfg, params, tokenizer=None, source=f"random:{name}:{dtype}",
                        load_seconds=time.perf_counter() - start, from_cache=False)
-
-
-def param_bytes(params) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(params))
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """K and V of one token across all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-
-def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
-    """Device copy bandwidth in bytes/s: a jitted x + 1 on a bf16 buffer reads and writes
-    nbytes each; median of `reps` device-synchronised calls."""
-    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    bump = jax.jit(lambda a: a + 1)
-    jax.block_until_ready(bump(x))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(bump(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / float(np.median(times))
 
 
 def add_model_arguments(ap) -> None:

@@ -3,54 +3,29 @@
 NAME --help` gives a benchmark's own flags.
 
 Each name maps to a module of this package with `main(argv)`. Nothing is imported until a name
-is chosen: listing stays instant, and a benchmark that sets up devices before JAX starts
-(scaleout's virtual CPU devices) still can.
+is chosen: listing stays instant and starts no JAX.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-# name: (module in jaxbatch.benchmarks, one line for the list)
+# name: (module in jaxbatch.benchmarks, one line for the list). What a user runs to decide;
+# the diagnostics, peer drivers and GPU harness are `python -m benchmarks` in the repository.
 BENCHMARKS = {
-    "throughput": ("throughput", "offline throughput: continuous vs static vs HF transformers "
-                                 "(--device gpu: random 1B/8B shapes, MBU)"),
+    "throughput": ("throughput", "offline throughput: continuous vs static batching on the same "
+                                 "compiled steps, $ per million tokens"),
     "latency": ("latency", "TTFT under Poisson arrivals, chunked prefill vs unchunked"),
     "serve": ("serve", "load generator for any OpenAI-compatible server (vllm bench serve's "
-                       "figures, /health under load)"),
+                       "figures, goodput, /health under load)"),
     "startup": ("startup", "LLM() to first token: cold, warm (lowered store), traced"),
     "prefix": ("prefix", "prefix caching on vs off: shared system prompt, multi-turn, distinct"),
     "spec": ("spec", "speculative decoding (n-gram) on vs off at 1/4/16 concurrent requests"),
-    "quant": ("quant", "int8 KV cache and int8 weights: capacity and throughput on one budget"),
-    "overlap": ("overlap", "host/device overlap (async scheduling) on vs off"),
-    "profile": ("profile", "device time per executable on the mixed chat workload"),
-    "vs-vllm": ("vs_vllm", "jaxbatch vs vLLM's CPU build, offline LLM.generate, interleaved"),
-    "vllm-offline": ("vllm_offline", "vLLM's side of vs-vllm (run with vLLM's venv python)"),
-    "scaleout": ("scaleout", "tensor / data parallel throughput against one engine"),
-    "step-keys": ("step_keys", "step time of chosen executable keys (pricing a bucket change)"),
-    "accuracy": ("accuracy", "what int8 costs in accuracy: top-1, KL, perplexity"),
-    "accuracy-bf16": ("accuracy_bf16", "bf16 against float32: top-1, KL, perplexity ratio, "
-                      "greedy agreement"),
-    "dtype": ("dtype", "bf16 vs float32 on this CPU: per-executable profile, a small mix"),
-    "roofline": ("roofline", "decode and prefill steps against the copy-bandwidth and GEMM-peak "
-                             "floors measured in the same run"),
-    "attention-read": ("attention_read", "decode attention alone against the read bandwidth: "
-                       "pages contiguous and scattered"),
-    "ops": ("ops", "one decode step and one prefill chunk op by op (XLA's profiler, HLO shapes)"),
-    "calls": ("calls", "our CPU kernels' calls in decode steps, timed where they run, untraced"),
-    "gemm": ("gemm", "our CPU GEMM kernel over packed weights against XLA's dot, per matrix "
-                     "and row count"),
-    "decode-floor": ("decode_floor", "one decode step against its dense floor, with a breakdown"),
-    "detok": ("detok", "host cost of detokenization and stop strings per token"),
-    "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),
-    "hostile": ("hostile", "hostile clients against the server"),
     "structured": ("structured", "structured outputs' cost: 0/50/100 % JSON-schema requests"),
-    "families": ("families", "what a family's own layers cost: random ~100M Llama, Qwen3, "
-                             "Gemma 3 on one workload"),
-    "lora": ("lora", "LoRA adapters' cost per decode step at 16 / 64 rows: 0, 1, max_loras "
-                     "adapters active, against no LoRA"),
-    "structured-mask-cost": ("structured_mask_cost", "host cost of grammar masks: tokenizer "
-                             "build, schema compile, advance + fill per step"),
+    "lora": ("lora", "LoRA adapters' cost per decode step: 0, 1, max_loras adapters active"),
+    "quant": ("quant", "int8 KV cache and int8 weights: capacity and throughput on one budget"),
+    "roofline": ("roofline", "decode and prefill steps against this machine's bandwidth and "
+                             "GEMM floors, measured in the same run"),
 }
 
 
@@ -61,7 +36,9 @@ def usage() -> str:
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in BENCHMARKS.items()]
     lines += ["", "Throughput reports state the cost per million output tokens at "
               "--price-per-hour (default: a list price for this machine; see "
-              "jaxbatch/benchmarks/machine.py)."]
+              "jaxbatch/benchmarks/machine.py).",
+              "Diagnostics, peers (vLLM, HF) and the GPU harness: `python -m benchmarks` in a "
+              "checkout (docs/BENCHMARKS.md)."]
     return "\n".join(lines)
 
 

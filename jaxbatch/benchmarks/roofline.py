@@ -1,36 +1,21 @@
-"""The engine's steps against the physical floor of this machine, measured in the same run:
+"""The engine's steps against the physical floor of this machine, measured in the same run.
 
-    copy bandwidth   a jitted elementwise pass over a large array (bytes read + written / time)
-    read bandwidth   a max over a large array, one numpy call per core on as many threads
-                     (bytes read / time): a decode step reads its weights and KV and writes
-                     little, and a core reads at less than the copy's read + write rate
-    GEMM peak        a large matmul in the weights' dtype (bf16 x bf16 -> f32, or float32),
-                     FLOP/s, the faster of XLA's dot and our packed GEMM kernel: on a CPU
-                     without AMX a float32 dot runs at about half the rate
-    decode floor     the larger of (weight bytes + KV bytes the step reads) / copy bandwidth
-                     and the step's matmul FLOPs (layers and LM head) / GEMM peak: without
-                     AMX a CPU's bf16 dots can be compute-bound at a few dozen rows
-    sequential floor at the read bandwidth: the matmuls' own floor, the larger of weight
-                     bytes / read bandwidth and their FLOPs / GEMM peak, plus KV bytes / read
-                     bandwidth for attention. A layer's attention needs its own projections
-                     first and feeds the next matmul, so a step that runs them in order cannot
-                     hide the KV read behind compute-bound matmuls. What the step could reach
-                     as built; the decode floor above is the issue's target
-    reachable / bandwidth floor: the decode floor over (weight + KV bytes) / copy bandwidth,
-                     the lowest step / bandwidth floor any implementation could show here.
-                     Above 1, the matmuls' FLOPs at the GEMM peak outlast the bytes: a CPU
-                     without AMX at a few dozen rows
-    prefill floor    matmul FLOPs of the chunk / GEMM peak
+Probes: copy bandwidth (a jitted in-place pass over 512 MB: bytes read + written / time), read
+bandwidth (a max over 512 MB, one numpy call per core on as many threads) and the GEMM peak (a
+2048^3 matmul in the weights' dtype, the faster of XLA's dot and our packed GEMM kernel).
+Floors: a decode step's is the larger of (weight + KV bytes it reads) / copy bandwidth and its
+matmul FLOPs / GEMM peak; the sequential floor adds the KV read at the read rate to the
+matmuls' own floor (a layer's attention sits between its matmuls); "reachable / bandwidth
+floor" is the lowest step / bandwidth-floor ratio any implementation could show here (above 1
+when the matmuls' FLOPs outlast the bytes: a CPU without AMX at a few dozen rows); a prefill
+chunk's floor is its matmul FLOPs / GEMM peak.
 
-Decode: `slots` requests decoding in lockstep (decode_floor's steady engine, every length inside
-(ctx/2, ctx]). `--steps` rounds, each timing one `engine.step()` whole without host/device
-overlap, then a few consecutive steps with it (`async_scheduling`, the engine's default): the
-period at which a running engine decodes, its host work done while the device runs (on a
-machine whose cores all run the device's threads, that host work still takes their time).
-Medians over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed
-(after an untimed one of the same shape).
+Decode: `rows` requests decoding in lockstep (`steady_decode_engine`, every length inside
+(ctx/2, ctx]); `--steps` rounds, each timing one `engine.step()` without host/device overlap,
+then consecutive steps with it (the engine's default): the period at which it decodes. Medians
+over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed.
 
-    python -m jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
+    jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
 """
 from __future__ import annotations
 
@@ -135,6 +120,26 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
+    """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
+    length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
+    prefill in the first step. No host/device overlap: a step is timed whole, with nothing of
+    it still running on the device while the pieces are timed."""
+    from jaxbatch import SamplingParams
+    from jaxbatch.engine.llm_engine import LLMEngine
+    engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
+                       num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
+                       max_num_batched_tokens=slots * ctx + slots, warmup=False,
+                       attention_backend=backend, async_scheduling=False)
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
+    for i in range(slots):
+        prompt = rng.integers(0, vocab, ctx - (rounds + 3)).tolist()
+        engine.add_request(f"r{i}", prompt, params)
+    return engine
+
+
 # Engine steps per timed round of `decode_rows`: one that reads back the overlapped step still
 # in flight, the timed one without overlap, one that dispatches, and OVERLAPPED_STEPS timed.
 OVERLAPPED_STEPS = 2
@@ -145,7 +150,6 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
                 read_bandwidth: float) -> dict:
     """`steps` rounds, each one step timed without overlap and OVERLAPPED_STEPS with it, in
     one engine: interleaved, so a slow moment of the machine hits both alike."""
-    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
     engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0)
     engine.step()                                    # every prefill
     engine.step()                                    # first decode: compiles it

@@ -2,23 +2,15 @@
 chat or completions requests with Poisson arrivals, reporting what `vllm bench serve` reports,
 plus /health latency measured while the server is under that load.
 
-    # servers already running: one line per target in the table and the plot
     jaxbatch bench serve --target continuous=http://127.0.0.1:8000 \\
-        --target static=http://127.0.0.1:8001 --target vllm=http://127.0.0.1:8100 \\
-        --request-rate 1 2 4 inf --goodput ttft:2000 tpot:500
-    # or let it start `python -m jaxbatch serve` itself, one server at a time
-    jaxbatch bench serve --launch jaxbatch-continuous jaxbatch-static --request-rate 1 inf
-    # a vLLM peer (bash scripts/setup_vllm_cpu.sh; scripts/export_safetensors.py --out DIR)
-    jaxbatch bench serve --launch vllm --vllm-model hf_export/SmolLM2-135M-Instruct
-    # served throughput at saturation vs offline LLM.generate on the same workload
-    jaxbatch bench serve --launch jaxbatch-continuous --request-rate inf --offline-baseline
-    # a bounded-concurrency sweep instead of Poisson arrivals
-    jaxbatch bench serve --target x=http://127.0.0.1:8000 --request-rate inf \\
-        --max-concurrency 1 4 16
+        --target vllm=http://127.0.0.1:8100 --request-rate 1 2 4 inf --goodput ttft:2000 tpot:500
+    jaxbatch bench serve --target x=http://127.0.0.1:8000 --request-rate inf --max-concurrency 1 4 16
+    # servers started here, one at a time, and served against offline (a checkout's lab):
+    python -m benchmarks serve-launch --launch jaxbatch-continuous vllm --offline-baseline
 
 Workload (fixed seed, the same for every target and every rate): --num-prompts requests, each
-a prompt drawn uniformly from benchmarks/data/bench_prompts.json (chat: one user message, the server
-applies its chat template; completions: the raw text) and a max_tokens drawn as
+a prompt drawn uniformly from the bundled prompts (chat: one user message, the server applies
+its chat template; completions: the raw text) and a max_tokens drawn as
 round(lognormal(median, sigma)) clipped to [min, max]; greedy (temperature 0) with
 ignore_eos, so every request generates exactly max_tokens tokens. Arrival gaps are one draw of
 standard exponentials scaled by 1 / rate (rate inf: all at t=0); --max-concurrency caps the
@@ -36,30 +28,17 @@ bench_serve.md (the table, also printed) and bench_serve.png (TTFT and TPOT agai
 
 Warm-up (untimed, per target, before its runs): by default the whole workload at once, so a
 server that compiles shapes lazily does it there. Servers with prefix caching (vLLM by default)
-then hold every prompt for the timed runs; pass their flag to turn it off to measure cold
-prompts (vLLM: --vllm-args '--max-model-len 2048 --no-enable-prefix-caching').
-
---offline-baseline runs jaxbatch `LLM.generate` in a subprocess after the servers, with the
-engine settings a launched `jaxbatch serve` gets (--max-num-seqs, --serve-args as keyword
-arguments), the same prompts with the chat template applied, the same max_tokens, greedy,
-ignore_eos; one untimed pass, then --offline-passes timed ones. Every run at rate inf is then
-reported as served / offline output tokens per second (the serving target: >= 0.9).
-
---rounds N repeats each target's runs N times; with --offline-baseline the offline subprocess
-runs after each round, while the server waits idle, so served and offline passes alternate and
-a slow minute of a shared machine hits both. The ratio is then median served / median offline.
+then hold every prompt for the timed runs; turn it off on the server to measure cold prompts.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import os
-import shlex
-import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -67,8 +46,6 @@ from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolv
 from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, pyplot, table, trio,
                                         write_json)
 from jaxbatch.benchmarks.serve_client import normalize_base, run_load, warm_up
-from jaxbatch.benchmarks.serve_launch import (DEFAULT_VLLM_PYTHON, LAUNCHABLE, LaunchedServer,
-                                              offline_worker, run_offline_baseline)
 from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, make_workload
 
 
@@ -79,7 +56,8 @@ def rate_label(rate: float, conc) -> str:
     return label + (f" (c={conc})" if conc else "")
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict, notes=()) -> str:
+    """The table, the price, then `notes` (a driver's lines) and any server's error."""
     price = report.get("price") or {}
     goodput = any("goodput" in r["summary"] for r in report["runs"])
     rows = []
@@ -99,44 +77,11 @@ def markdown(report: dict) -> str:
              "ITL mean/med/p99 ms", "E2EL mean/med/p99 ms"]
             + (["goodput req/s"] if goodput else []) + ["/health p50/p99/max ms"])
     parts = [table(head, rows), "", price_line(price)]
-    if report.get("offline_baseline"):
-        ob = report["offline_baseline"]
-        rounds = ob.get("rounds", [ob["output_tokens_per_s"]])
-        parts.append(f"\nOffline jaxbatch LLM.generate on the same workload: "
-                     f"{ob['output_tokens_per_s']:.1f} out tok/s"
-                     + (f" (median of {len(rounds)} rounds: "
-                        f"{' / '.join(f'{x:.1f}' for x in rounds)})" if len(rounds) > 1
-                        else f" ({ob['output_tokens']} tokens in {ob['seconds']:.1f} s)"))
-        for row in ob.get("served_vs_offline", []):
-            served = row.get("served_rounds", [])
-            parts.append(f"- {row['target']} served at rate {row['rate']}: "
-                         f"{row['served_output_tokens_per_s']:.1f} out tok/s"
-                         + (f" (median of {' / '.join(f'{x:.1f}' for x in served)})"
-                            if len(served) > 1 else "")
-                         + f" = **{row['ratio']:.2f} x** jaxbatch offline")
+    parts += list(notes)
     for name, info in report.get("servers", {}).items():
         if info.get("error"):
             parts.append(f"\n{name}: {info['error']}")
     return "\n".join(parts)
-
-
-def served_vs_offline(runs: list[dict], offline: list[dict]) -> dict:
-    """Each target's runs at rate inf (per concurrency) against the offline passes: median
-    served / median offline output tok/s, with every round's numbers."""
-    off = [o["output_tokens_per_s"] for o in offline]
-    ob = {**offline[-1], "rounds": off, "output_tokens_per_s": statistics.median(off)}
-    groups: dict = {}
-    for r in runs:
-        s = r["summary"]
-        if s["request_rate"] == math.inf:
-            key = (r["target"], rate_label(s["request_rate"], s["max_concurrency"]))
-            groups.setdefault(key, []).append(s["output_tokens_per_s"])
-    ob["served_vs_offline"] = [
-        {"target": target, "rate": rate, "served_rounds": served,
-         "served_output_tokens_per_s": statistics.median(served),
-         "ratio": statistics.median(served) / ob["output_tokens_per_s"]}
-        for (target, rate), served in groups.items()]
-    return ob
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -191,14 +136,14 @@ def parse_goodput(items) -> dict | None:
     return slo
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="jaxbatch bench serve", description=__doc__.split("\n\n")[0],
+def parse_args(argv=None, prog="jaxbatch bench serve", extra=None, need_target=True):
+    """`extra(ap)` adds a driver's flags; a driver that starts its own servers needs no
+    --target."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--target", action="append", default=[], metavar="NAME=BASE_URL",
                     help="a running server, e.g. vllm=http://127.0.0.1:8100 (repeatable)")
-    ap.add_argument("--launch", nargs="+", default=[], choices=LAUNCHABLE,
-                    help="start these servers here, one at a time, on free 127.0.0.1 ports")
     ap.add_argument("--request-rate", nargs="+", type=float, default=[math.inf],
                     help="Poisson arrival rates (req/s); inf sends everything at t=0")
     ap.add_argument("--max-concurrency", nargs="+", type=int, default=[None],
@@ -225,36 +170,19 @@ def parse_args(argv=None):
                          "max_completion_tokens, completions max_tokens)")
     ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="launched servers and offline")
-    ap.add_argument("--serve-args", default="",
-                    help="extra flags for launched jaxbatch servers (and, as LLM kwargs, for "
-                         "--offline-baseline), e.g. '--max-model-len 1024'")
-    ap.add_argument("--jaxbatch-python", default=sys.executable)
-    ap.add_argument("--jaxbatch-model", default=None, help="MODEL for jaxbatch (default embedded)")
-    ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
-    ap.add_argument("--vllm-model", default=None, help="HF directory for --launch vllm")
-    ap.add_argument("--vllm-args", default="--max-model-len 2048",
-                    help="extra flags for a launched vLLM server")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--offline-baseline", action="store_true",
-                    help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
-                         "after the servers) and report served / offline output tok/s")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="repeat each target's runs; with --offline-baseline the offline pass "
-                         "runs after each round (served and offline interleaved)")
-    ap.add_argument("--offline-passes", type=int, default=1,
-                    help="timed offline passes after the untimed one (best is reported)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each target's runs")
     ap.add_argument("--out", default="bench_out/serve")
     add_price_argument(ap)
-    ap.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
+    if extra:
+        extra(ap)
     args = ap.parse_args(argv)
     args.goodput = parse_goodput(args.goodput)
     args.extra_body = json.loads(args.extra_body)
     args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
-    if not (args.offline_worker or args.target or args.launch or args.offline_baseline):
-        ap.error("give at least one --target NAME=URL, --launch KIND or --offline-baseline")
+    if need_target and not args.target:
+        ap.error("give at least one --target NAME=BASE_URL")
     targets = []
     for t in args.target:
         name, sep, url = t.partition("=")
@@ -299,11 +227,12 @@ def _one_round(name, base, args, workload, report, round_):
             report["runs"].append({"target": name, "base_url": base, "round": round_, **out})
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.offline_worker:
-        offline_worker(args.offline_worker)
-        return {}
+def main(argv=None, prog="jaxbatch bench serve", extra=None, driver=None) -> dict:
+    """`driver` (benchmarks/serve_launch.py: servers started here, the offline baseline) has
+    `servers(args, out_dir, report)`, yielding (name, base URL) of each server it started and
+    stopping it after; `between(args, workload, out_dir)`, called after every round; and
+    `finish(args, report, workload, out_dir)`, returning its markdown lines."""
+    args = parse_args(argv, prog, extra, need_target=driver is None)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = make_workload(args.num_prompts, args.lengths, args.seed, args.prompts)
@@ -314,31 +243,17 @@ def main(argv=None) -> dict:
               "workload": [dataclasses.asdict(r) for r in workload],
               "servers": {}, "runs": []}
     start = time.perf_counter()
-    offline = []            # one offline run per round (after each round of each target)
-    between = ((lambda: offline.append(run_offline_baseline(args, workload, out_dir)))
-               if args.offline_baseline else None)
-    for name, url in args.targets:
-        bench_target(name, normalize_base(url), args, workload, report, between)
-    for kind in args.launch:
-        server = LaunchedServer(kind, args, out_dir)
-        info = report["servers"].setdefault(kind, {"command": shlex.join(server.cmd)})
-        try:
-            info["startup_s"] = server.wait_ready(args.startup_timeout)
-            bench_target(kind, server.base, args, workload, report, between)
-        except Exception as e:
-            info["error"] = f"{type(e).__name__}: {e}"
-            print(f"[{kind}] failed: {info['error']}", flush=True)
-        finally:
-            server.stop()
-    if args.offline_baseline:
-        while len(offline) < args.rounds:          # no server ran: the offline rounds alone
-            between()
-        report["offline_baseline"] = served_vs_offline(report["runs"], offline)
+    between = driver and (lambda: driver.between(args, workload, out_dir))
+    servers = [(name, normalize_base(url)) for name, url in args.targets]
+    started = driver.servers(args, out_dir, report) if driver else ()
+    for name, base in itertools.chain(servers, started):
+        bench_target(name, base, args, workload, report, between)
+    notes = driver.finish(args, report, workload, out_dir) if driver else []
     report["bench_seconds"] = time.perf_counter() - start
     report["machine"]["loadavg_at_end"] = os.getloadavg()
     report["price"] = resolve_price(args.price_per_hour, report["machine"])
     report["plot"] = plot(report, out_dir / "bench_serve.png") if report["runs"] else None
-    md = markdown(report)
+    md = markdown(report, notes)
     (out_dir / "bench_serve.md").write_text(md + "\n")
     write_json(out_dir / "bench_serve.json", report, default=str)
     print(f"\nwrote {out_dir}/bench_serve.json, bench_serve.md"

@@ -1,12 +1,12 @@
 """Throughput (`jaxbatch bench throughput`) and latency under arrivals (`jaxbatch bench latency`):
-jaxbatch against itself (continuous vs static batching) and against Hugging Face transformers
-(`generate`, padded static batches; `generate_batch`, its continuous batching) on the same
-prompts and output lengths, with the metrics of `vllm bench serve`.
+continuous against static batching on the same compiled steps, same prompts and output lengths,
+with the metrics of `vllm bench serve` and the cost per million output tokens.
 
     jaxbatch bench throughput                                # CPU defaults, a few minutes
-    jaxbatch bench throughput --engines continuous static    # jaxbatch only
     jaxbatch bench latency --request-rate 1.5                # = throughput --workloads online
-    jaxbatch bench throughput --device gpu [--dry-run]       # random-weight 1B/8B shapes, MBU
+Peers and the GPU run live outside the package (benchmarks/ in the repository):
+    python -m benchmarks throughput-hf                       # + HF transformers' generate
+    python -m benchmarks throughput-gpu [--dry-run]          # random-weight 1B/8B shapes, MBU
 
 Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths are controlled):
   offline  --num-requests requests at t=0, prompts drawn uniformly from the bundled set
@@ -21,17 +21,18 @@ Every timed jaxbatch run starts from an empty prefix cache.
 
 Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
 `engine.warmup()` compiles every bucket; HF: a short untimed run); see harness.py and
-hf_baselines.py for when a token counts as delivered. Every table states the cost per million
+a peer's driver for when a token counts as delivered. Every table states the cost per million
 output tokens at --price-per-hour (default: a list price for this machine, see machine.py).
 Output: JSON with every figure, PNG plots and a markdown summary printed last (see --out).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from jaxbatch.benchmarks import prefix as prefix_bench
 from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
@@ -43,28 +44,32 @@ from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, stats_ms, ta
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SHORT_KINDS, encode_prompts,
                                            load_prompts, offline_requests, online_requests)
 
-ENGINES = ("continuous", "static", "hf_generate", "hf_generate_batch")
+ENGINES = ("continuous", "static")
+
+
+@dataclasses.dataclass
+class Peers:
+    """Other engines run on the same requests (benchmarks/hf_baselines.py: HF transformers)."""
+    goals: dict             # name -> the continuous / peer ratio it is to reach
+    setup: Callable         # (args, requests) -> {name: run(requests, slots) -> RunResult}
 
 
 # ---- CPU benchmark -------------------------------------------------------------------------------
 
-def bench_offline(args, loaded, hf_model, requests) -> dict:
-    """Every selected engine on the same requests; returns summaries and raw runs."""
+def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
+    """Every selected engine on the same requests; returns summaries and raw runs. Static
+    reuses continuous's runner: both time the same compiled steps."""
     slots, model_len = args.max_num_seqs, pow2_model_len(requests)
     runs, first = {}, None
     for name in args.engines:
-        if name in ("continuous", "static"):
+        if name in ENGINES:
             engine = warmed_engine(loaded, name, slots, model_len, requests, args.warmup,
                                    shared=first, **args.engine_kwargs)
             runs[name] = run_jaxbatch(engine, requests, name)
             runs[name].info["runner_shared_with"] = first and first.config.batching
             first = first or engine
-        elif name == "hf_generate":
-            from jaxbatch.benchmarks.hf_baselines import run_hf_generate
-            runs[name] = run_hf_generate(hf_model, requests, slots)
         else:
-            from jaxbatch.benchmarks.hf_baselines import run_hf_generate_batch
-            runs[name] = run_hf_generate_batch(hf_model, requests, slots)
+            runs[name] = peer_runs[name](requests, slots)
     lens = [r.output_len for r in requests]
     return {
         "requests": [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
@@ -128,7 +133,7 @@ def online_table(online, price: dict) -> str:
                   "compiles timed"], rows)
 
 
-def targets(report) -> list[dict]:
+def targets(report, goals=None) -> list[dict]:
     """The issue's targets, each with the measured figure and met / missed / not run."""
     rows = []
 
@@ -144,19 +149,10 @@ def targets(report) -> list[dict]:
         add("continuous / static output tok/s", f"{ratio:.2f} (ideal {ideal:.2f}, 0.9 x ideal "
             f"= {0.9 * ideal:.2f}; measured step ratio {steps:.2f})",
             ">= 0.9 x ideal and >= 2.0", ratio >= 0.9 * ideal and ratio >= 2.0)
-    for hf, goal in (("hf_generate", 3.0), ("hf_generate_batch", 1.5)):
-        if "continuous" in tps and hf in tps:
-            r = tps["continuous"] / tps[hf]
-            add(f"continuous / {hf} output tok/s", f"{r:.2f}", f">= {goal}", r >= goal)
-    floor = report.get("decode_floor")
-    if floor:
-        for r in floor["results"]:
-            add(f"decode step / floor, {r['slots']} slots, context {r['context']}",
-                f"{r['ratio_engine_over_floor']:.2f} ({r['engine_step_ms']:.0f} vs "
-                f"{r['floor_ms']:.0f} ms)", f"<= {floor['target_ratio']}",
-                r["ratio_engine_over_floor"] <= floor["target_ratio"])
-    else:
-        add("decode step / floor", "run jaxbatch bench decode-floor --out DIR", "<= 1.3", None)
+    for peer, goal in (goals or {}).items():
+        if "continuous" in tps and peer in tps:
+            r = tps["continuous"] / tps[peer]
+            add(f"continuous / {peer} output tok/s", f"{r:.2f}", f">= {goal}", r >= goal)
     on = report.get("online", {}).get("summaries", {})
     if "chunked" in on and "unchunked" in on:
         c, u = on["chunked"]["short_ttft"]["p99_ms"], on["unchunked"]["short_ttft"]["p99_ms"]
@@ -180,17 +176,19 @@ def targets_table(rows) -> str:
 
 # ---- main ----------------------------------------------------------------------------------------
 
-def parse_args(argv=None, workloads=("offline", "online"), prog=None):
+def parse_args(argv=None, workloads=("offline", "online"), prog=None, peers=None, extra=None):
+    """`peers` (Peers) adds engines to --engines; `extra(ap)` adds a driver's own flags."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    names = ENGINES + tuple(peers.goals if peers else ())
+    ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
     ap.add_argument("--workloads", nargs="+", choices=("offline", "online", "prefix"),
                     default=list(workloads))
     ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="slots (HF: batch size); default 16, 64 with --device gpu")
+                    help="slots (a peer's batch size); default 16")
     ap.add_argument("--num-requests", type=int, default=None,
-                    help="offline requests; default 32, 4 x slots with --device gpu")
+                    help="offline requests; default 32")
     ap.add_argument("--output-median", type=float, default=24)
     ap.add_argument("--output-sigma", type=float, default=1.0)
     ap.add_argument("--output-min", type=int, default=4)
@@ -207,15 +205,9 @@ def parse_args(argv=None, workloads=("offline", "online"), prog=None):
                     help="truncate prompts to their last N tokens")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
-                    help="jaxbatch warm-up: every bucket (CPU default) or an untimed run of "
-                         "the same offline workload (GPU default)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+                    help="jaxbatch warm-up: every bucket (default) or an untimed run of "
+                         "the same offline workload")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--gpu-models", nargs="+", default=None,
-                    help="--device gpu: shapes from gpu_e2e.MODEL_SHAPES (1B 8B)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="--device gpu on CPU with a tiny random model and short prompts")
     ap.add_argument("--xla-cache", default=None,
                     help="persistent XLA compilation cache dir ('' disables; default "
                          "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
@@ -226,45 +218,31 @@ def parse_args(argv=None, workloads=("offline", "online"), prog=None):
     ap.add_argument("--out", default="bench_out")
     add_price_argument(ap)
     prefix_bench.add_arguments(ap)
+    if extra:
+        extra(ap)
     args = ap.parse_args(argv)
     args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
     args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
                            args.online_output_max)
-    args.warmup = args.warmup or ("workload" if args.device == "gpu" else "buckets")
-    args.engine_kwargs = {}
-    gpu = args.device == "gpu"
-    if args.dry_run:
-        if not gpu:
-            ap.error("--dry-run goes with --device gpu")
-        # Tiny everything: checks the GPU path's code on CPU, Pallas in interpret mode.
-        args.max_num_seqs = min(args.max_num_seqs or 4, 4)
-        args.num_requests = min(args.num_requests or 12, 12)
-        args.max_prompt_len = args.max_prompt_len or 40
-        args.lengths = (8, args.output_sigma, 2, 24)
-        args.engine_kwargs = {"attention_backend": "pallas_interpret"}
-    args.engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
-    args.max_num_seqs = args.max_num_seqs or (64 if gpu else 16)
-    args.num_requests = args.num_requests or (4 * args.max_num_seqs if gpu else 32)
+    args.warmup = args.warmup or "buckets"
+    args.engine_kwargs = dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+    args.max_num_seqs = args.max_num_seqs or 16
+    args.num_requests = args.num_requests or 32
     return args
 
 
-def run_cpu(args, report):
+def run_cpu(args, report, peers=None):
     from jaxbatch.model.loader import load_model
     entries = load_prompts(args.prompts)
     kinds = [e["kind"] for e in entries]
     loaded = load_model(dtype="float32")
     prompts = encode_prompts(entries, loaded.tokenizer)
-    hf_model = None
-    if {"hf_generate", "hf_generate_batch"} & set(args.engines) and "offline" in args.workloads:
-        from jaxbatch.benchmarks.hf_baselines import load_hf_model
-        hf_model = load_hf_model(args.threads)
     if "offline" in args.workloads:
         requests = offline_requests(prompts, kinds, args.num_requests, args.lengths, args.seed,
                                     args.max_prompt_len)
-        if hf_model is not None:
-            from jaxbatch.benchmarks.hf_baselines import warm_hf
-            warm_hf(hf_model, requests, args.max_num_seqs, args.engines)
-        report["offline"] = bench_offline(args, loaded, hf_model, requests)
+        chosen = set(args.engines) - set(ENGINES)
+        peer_runs = peers.setup(args, requests) if peers and chosen else {}
+        report["offline"] = bench_offline(args, loaded, requests, peer_runs)
     if "online" in args.workloads:
         requests = online_requests(prompts, kinds, args.online_short, args.online_long,
                                    args.request_rate, args.online_lengths, args.seed,
@@ -273,37 +251,39 @@ def run_cpu(args, report):
     if "prefix" in args.workloads:
         args.slots, args.max_model_len = args.max_num_seqs, 2048
         report["prefix"] = prefix_bench.bench_prefix(loaded, args)
-    floor = Path(args.out) / "decode_floor.json"
-    if floor.exists():      # written by `jaxbatch bench decode-floor`; shown among the targets
-        report["decode_floor"] = json.loads(floor.read_text())
 
 
-def main(argv=None, workloads=("offline", "online"), prog="jaxbatch bench throughput") -> dict:
-    args = parse_args(argv, workloads, prog)
+def start_report(args) -> dict:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return {"machine": machine_info(), "xla_cache": enable_xla_cache(args.xla_cache),
+            "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"},
+            "start": time.perf_counter()}
+
+
+def finish(args, report, markdown_fn, plots=True) -> dict:
+    """Price, plots and bench.json, then the markdown printed last."""
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "xla_cache": enable_xla_cache(args.xla_cache),
-              "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"}}
-    start = time.perf_counter()
-    if args.device == "gpu":
-        from jaxbatch.benchmarks.throughput_gpu import bench_gpu
-        report["gpu"] = bench_gpu(args, load_prompts(args.prompts))
-    else:
-        run_cpu(args, report)
-    report["bench_seconds"] = time.perf_counter() - start
+    report["bench_seconds"] = time.perf_counter() - report.pop("start")
     report["machine"]["loadavg_at_end"] = os.getloadavg()   # other jobs share this machine
     report["price"] = resolve_price(args.price_per_hour, report["machine"])
-    report["targets"] = targets(report) if args.device == "cpu" else []
-    if args.device == "cpu":
+    report["plots"] = []
+    if plots:
         from jaxbatch.benchmarks.throughput_plots import plot_all
         report["plots"] = plot_all(report, out_dir)
-    else:
-        report["plots"] = []
     write_json(out_dir / "bench.json", report, to_json)
     print(f"\nwrote {out_dir / 'bench.json'} and {', '.join(report['plots']) or 'no plots'} "
           f"in {report['bench_seconds']:.0f} s\n")
-    print(markdown(report))
+    print(markdown_fn(report))
     return report
+
+
+def main(argv=None, workloads=("offline", "online"), prog="jaxbatch bench throughput",
+         peers: Peers | None = None, extra=None) -> dict:
+    args = parse_args(argv, workloads, prog, peers, extra)
+    report = start_report(args)
+    run_cpu(args, report, peers)
+    report["targets"] = targets(report, peers.goals if peers else None)
+    return finish(args, report, markdown)
 
 
 def markdown(report) -> str:
@@ -318,15 +298,6 @@ def markdown(report) -> str:
     if "online" in report:
         parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
         parts.append(online_table(report["online"], price))
-    for name, m in report.get("gpu", {}).get("models", {}).items():
-        parts.append(f"\nGPU {name} (bf16 random weights), copy bandwidth "
-                     f"{report['gpu']['copy_GBps']:.0f} GB/s, ideal ratio "
-                     f"{m['ideal']['ideal_ratio']:.2f}\n")
-        parts.append(engine_table(m["summaries"], price) + "\n")
-        parts.append(table(["engine", "MBU median", "MBU aggregate", "decode step ms"],
-                           [[b, fmt(s["mbu_median"], 2), fmt(s["mbu_aggregate"], 2),
-                             fmt(s["decode_step_ms_median"], 2)]
-                            for b, s in m["summaries"].items()]))
     if "prefix" in report:
         parts.append("\nPrefix caching\n")
         parts.append(prefix_bench.markdown(report["prefix"], price))

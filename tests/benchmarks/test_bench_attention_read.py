@@ -1,10 +1,10 @@
-"""`jaxbatch bench attention-read`: decode attention alone against the read probe."""
+"""`python -m benchmarks attention-read`: decode attention alone against the read probe."""
 import json
 
 import numpy as np
 import pytest
 
-from jaxbatch.benchmarks import attention_read
+from benchmarks import attention_read
 
 
 def test_page_tables_hold_every_page_once_in_their_order():

@@ -1,16 +1,20 @@
-"""`bench calls`: decode steps cut at each sampling's argmax, prefill and mixed steps left out,
+"""`python -m benchmarks calls`: decode steps cut at each sampling's argmax, prefill and mixed steps left out,
 each kernel's calls per step, median, mean and share, on synthetic records; then the whole
 bench on the tiny random model (whose decode attention and argmax run on our kernels)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cpu_kernels import call_log, paged_decode
-from jaxbatch.benchmarks import calls
+from benchmarks import calls
 
+ROOT = Path(__file__).resolve().parents[2]
 GEMM, DECODE, PREFILL, NORM, ARGMAX = 1, 2, 3, 4, 5
 
 
@@ -54,21 +58,12 @@ def test_decode_steps_run_argmax_to_argmax_and_skip_prefill():
 @pytest.mark.skipif(paged_decode.unavailable_reason() is not None,
                     reason=f"CPU kernel unavailable: {paged_decode.unavailable_reason()}")
 def test_bench_on_the_tiny_model(tmp_path):
-    """In a process of its own: the call log is compiled only into an instrumented build,
-    which call_log.instrument() asks for before any kernel registers (this process has
-    registered them already)."""
-    import os
-    import subprocess
-    import sys
-    import cpu_kernels
-    code = ("import sys; from cpu_kernels import call_log; call_log.instrument(); "
-            "from jaxbatch.benchmarks import calls; sys.exit(calls.main(sys.argv[1:]))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(cpu_kernels.__file__)), *[p for p in sys.path if p]]))
-    done = subprocess.run([sys.executable, "-c", code, "--random-model", "tiny", "--rows", "2",
-                           "--tokens", "8", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Its own process, as it is run: the instrumented kernel build must be chosen before any
+    # kernel is registered, and this test process has registered them already.
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "calls", "--random-model", "tiny",
+                           "--rows", "2", "--tokens", "8", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = json.loads((tmp_path / "calls.json").read_text())["results"]
     assert result["rows"] == 2 and result["steps"] >= 5
     kernels = {c["kernel"] for c in result["calls"]}
@@ -77,3 +72,13 @@ def test_bench_on_the_tiny_model(tmp_path):
     assert attention["calls_per_step"] == 2                  # the tiny model's two layers
     assert 0 < result["in_kernels_ms"] < result["step_mean_ms"]
     assert "decode attention" in (tmp_path / "calls.md").read_text()
+
+
+def test_calls_switches_to_the_instrumented_build_when_there_is_one(monkeypatch):
+    switched = []
+    monkeypatch.setattr(call_log, "instrument", lambda: switched.append(True), raising=False)
+    calls.instrument()
+    assert switched == [True]
+    monkeypatch.delattr(call_log, "instrument")
+    calls.instrument()                  # a build that logs every call: nothing to switch
+    assert switched == [True]

@@ -22,7 +22,8 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from jaxbatch.benchmarks import serve, serve_client, serve_launch, workloads  # noqa: E402
+from benchmarks import serve_launch  # noqa: E402  (the lab's driver: launched servers, offline)
+from jaxbatch.benchmarks import serve, serve_client, workloads  # noqa: E402
 
 TTFT_S, ITL_S, TOKENS_PER_CHUNK = 0.15, 0.04, 2
 # The names these tests use, wherever they now live.
@@ -373,10 +374,10 @@ def test_rounds_interleave_served_and_offline_and_the_ratio_is_of_medians(tmp_pa
 
     monkeypatch.setattr(serve, "warm_up", fake_warm_up)
     monkeypatch.setattr(serve, "run_load", fake_run_load)
-    monkeypatch.setattr(serve, "run_offline_baseline", fake_offline)
+    monkeypatch.setattr(serve_launch, "run_offline_baseline", fake_offline)
     monkeypatch.setattr(serve, "plot", lambda report, path: None)
-    monkeypatch.setattr(serve, "markdown", lambda report: "")
-    report = serve.main(["--target", "x=http://127.0.0.1:9", "--request-rate", "inf", "2",
+    monkeypatch.setattr(serve, "markdown", lambda report, notes: "")
+    report = serve_launch.main(["--target", "x=http://127.0.0.1:9", "--request-rate", "inf", "2",
                          "--rounds", "3", "--offline-baseline", "--num-prompts", "4",
                          "--price-per-hour", "1", "--out", str(tmp_path)])
     assert order == ["warm-up"] + ["served inf", "served 2.0", "offline"] * 3
@@ -386,3 +387,17 @@ def test_rounds_interleave_served_and_offline_and_the_ratio_is_of_medians(tmp_pa
     assert row["served_rounds"] == [100.0, 200.0, 60.0]
     assert row["ratio"] == pytest.approx(100.0 / 250.0)
     assert [r["round"] for r in report["runs"]] == [0, 0, 1, 1, 2, 2]
+
+
+def test_serve_needs_a_target_and_its_driver_does_not(tmp_path, monkeypatch, capsys):
+    """`jaxbatch bench serve` measures servers it is given; the lab's driver starts its own."""
+    with pytest.raises(SystemExit):
+        serve.main(["--out", str(tmp_path)])
+    assert "--target" in capsys.readouterr().err
+    offline = iter([300.0, 100.0])
+    monkeypatch.setattr(serve_launch, "run_offline_baseline", lambda *a: {
+        "output_tokens_per_s": next(offline), "output_tokens": 1, "seconds": 1.0})
+    report = serve_launch.main(["--offline-baseline", "--rounds", "2", "--num-prompts", "2",
+                                "--price-per-hour", "1", "--out", str(tmp_path)])
+    assert report["runs"] == [] and report["offline_baseline"]["rounds"] == [300.0, 100.0]
+    assert "Offline jaxbatch LLM.generate" in (tmp_path / "bench_serve.md").read_text()

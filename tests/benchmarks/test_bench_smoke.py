@@ -1,7 +1,7 @@
 """Smoke test of the benchmark suite on a tiny random model (no HF engines, no embedded model):
 the metrics are computed and sane, continuous batching beats static on the mixed workload, no
-compilation happens after warm-up, and the --dry-run paths of `jaxbatch bench throughput` and
-gpu_e2e run."""
+compilation happens after warm-up, and the --dry-run paths of the GPU throughput driver and
+gpu_e2e (benchmarks/, outside the wheel) run."""
 from __future__ import annotations
 
 import argparse
@@ -70,8 +70,8 @@ def shared_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from jaxbatch.benchmarks import gpu_e2e
-    return gpu_e2e.random_model("tiny", "float32", seed=0)
+    from jaxbatch.benchmarks.random_models import random_model
+    return random_model("tiny", "float32", seed=0)
 
 
 def test_offline_and_online_on_tiny_model(tiny):
@@ -83,7 +83,7 @@ def test_offline_and_online_on_tiny_model(tiny):
     prompts = bench.synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0)
     requests = bench.offline_requests(prompts, kinds, 10, (8, 1.0, 2, 24), seed=0,
                                       max_prompt_len=24)
-    off = bench.bench_offline(args, tiny, None, requests)
+    off = bench.bench_offline(args, tiny, requests)
     cont, stat = off["summaries"]["continuous"], off["summaries"]["static"]
     total = sum(r.output_len for r in requests)
     for s in (cont, stat):
@@ -113,9 +113,9 @@ def test_offline_and_online_on_tiny_model(tiny):
 
 
 def test_step_observers_see_every_step(tiny, monkeypatch):
-    """The engine's and the runner's hooks (jaxbatch/benchmarks/observer.py): one on_step per
+    """The engine's and the runner's hooks (benchmarks/observer.py): one on_step per
     step with its plan, one on_executable per executable run, gone again after `observe`."""
-    from jaxbatch.benchmarks.observer import ExecutableTimer, HostDelay, KvReadMeter, observe
+    from benchmarks.observer import ExecutableTimer, HostDelay, KvReadMeter, observe
     engine = bench.jaxbatch_engine(tiny, "continuous", 4, 64)
     requests = [bench.Request(f"r{i}", list(range(10 + i, 17 + 2 * i)), 3 + i) for i in range(3)]
     first = len(engine.step_log)
@@ -135,7 +135,7 @@ def test_step_observers_see_every_step(tiny, monkeypatch):
     assert timer.prefill_tokens["computed"] >= timer.prefill_tokens["prompt"]
     assert engine.step_observers == [] and engine.runner.executable_observers == []
     # HostDelay (bench overlap): its sleep, once per step (recorded, not slept).
-    from jaxbatch.benchmarks import observer
+    from benchmarks import observer
     slept = []
     monkeypatch.setattr(observer.time, "sleep", slept.append)
     with observe(engine, HostDelay(30.0)), observe(engine, KvReadMeter()) as meter:
@@ -147,15 +147,16 @@ def test_step_observers_see_every_step(tiny, monkeypatch):
 
 
 def test_bench_gpu_dry_run(tmp_path):
-    report = bench.main(["--device", "gpu", "--dry-run", "--num-requests", "6",
-                         "--out", str(tmp_path), "--xla-cache", "", "--price-per-hour", "3.6"])
+    from benchmarks import throughput_gpu
+    report = throughput_gpu.main(["--dry-run", "--num-requests", "6", "--out", str(tmp_path),
+                                  "--xla-cache", "", "--price-per-hour", "3.6"])
     tiny = report["gpu"]["models"]["tiny"]
     for s in tiny["summaries"].values():
         assert s["compilations_during_timed_run"] == 0
         assert s["mbu_median"] > 0 and s["decode_steps"] > 0
     # Every throughput table states the cost per million output tokens at the given price.
     assert report["price"] == {"usd_per_hour": 3.6, "source": "--price-per-hour"}
-    md = bench.markdown(report)
+    md = throughput_gpu.markdown(report)
     cost = 3.6 / (tiny["summaries"]["continuous"]["output_tokens_per_s"] * 3600) * 1e6
     assert "$ / M out tok" in md and f"${cost:.3f}" in md and "$3.6000 per hour" in md
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -163,7 +164,7 @@ def test_bench_gpu_dry_run(tmp_path):
 
 
 def test_gpu_e2e_dry_run(tmp_path):
-    from jaxbatch.benchmarks import gpu_e2e
+    from benchmarks import gpu_e2e
     assert gpu_e2e.main(["--dry-run", "--out", str(tmp_path), "--slots", "2",
                          "--new-tokens", "4", "--check-requests", "1"]) == 0
     result = json.loads((tmp_path / "gpu_e2e.json").read_text())["models"][0]
@@ -171,23 +172,8 @@ def test_gpu_e2e_dry_run(tmp_path):
     assert result["speed"]["decode_tokens_per_s"] > 0
 
 
-def test_decode_floor_runs_on_a_tiny_model():
-    """decode_floor.py builds the floor from the engine's own params and executables: a change
-    to either must not break it silently (it is not run anywhere else in the suite)."""
-    from jaxbatch.benchmarks import decode_floor as floor
-    from tiny_models import make_hf_model, ours_from_hf
-    from jaxbatch.model.loader import LoadedModel
-    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2"))
-    loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0,
-                         from_cache=False)
-    result = floor.measure_context(loaded, slots=4, ctx=64, rounds=3, seed=0)
-    assert result["slots"] == 4 and result["context"] == 64
-    assert result["engine_step_ms"] > 0 and result["floor_ms"] > 0
-    assert set(result["breakdown_ms"]) == {"matmuls", "attention", "paging", "sampling", "host"}
-
-
 def test_families_bench_runs_each_family_on_one_workload(tmp_path, capsys):
-    from jaxbatch.benchmarks import families
+    from benchmarks import families
     assert families.main(["--families", "llama", "gemma3", "--hidden", "64", "--layers", "2",
                           "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
                           "--vocab", "512", "--window", "16", "--num-requests", "4",
@@ -346,7 +332,7 @@ def test_roofline_times_the_overlapped_steps_in_steady_decode(monkeypatch):
 def test_roofline_refuses_a_timed_step_that_left_steady_decode():
     """Timing past the requests' last token: the overlapped steps run fewer rows, then none."""
     from jaxbatch.benchmarks import roofline
-    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
+    from jaxbatch.benchmarks.roofline import steady_decode_engine
     from jaxbatch.benchmarks.random_models import random_model
     engine = steady_decode_engine(random_model("tiny"), 4, 64, 2, seed=0)
     engine.step()
@@ -363,7 +349,7 @@ def test_roofline_refuses_steps_that_would_leave_the_page_bucket(argv):
 
 
 def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
-    from jaxbatch.benchmarks import ops
+    from benchmarks import ops
     assert ops.main(["--random-model", "tiny", "--rows", "4", "--steps", "2", "--context", "64",
                      "--prefill-tokens", "32", "--top", "50", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "ops.json").read_text())
@@ -376,7 +362,7 @@ def test_ops_bench_names_each_op_with_its_shape_and_class(tmp_path):
 
 
 def test_hlo_ops_reads_shapes_and_fusion_kinds():
-    from jaxbatch.benchmarks.ops import hlo_ops, op_class
+    from benchmarks.ops import hlo_ops, op_class
     text = ('  %ynn_fusion.5 = f32[16,1536]{1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
             'backend_config={"fusion_config":{"kind":"__ynn_fusion"}}\n'
             '  %bitcast-convert_bitcast_fusion.2 = bf16[576,1536]{1,0} fusion(%g, %h), '
@@ -405,7 +391,7 @@ def test_hlo_ops_reads_shapes_and_fusion_kinds():
 
 
 def test_executable_ops_name_clashes_go_to_the_model_call():
-    from jaxbatch.benchmarks.ops import executable_ops
+    from benchmarks.ops import executable_ops
     hlo = lambda shape: types.SimpleNamespace(
         as_text=lambda: f"  %ynn_fusion.1 = {shape} fusion(%a), kind=kCustom, calls=%c\n")
     compiled = {("sample", 4): hlo("f32[4,1]{1,0}"), ("decode", 4): hlo("f32[4,576]{1,0}")}
@@ -429,7 +415,7 @@ def test_roofline_counts_a_tied_head_once():
 def test_vs_vllm_rotates_every_engine_and_runs_hf_with_caching_off_only(tmp_path, monkeypatch):
     """bench vs-vllm with --hf-dtypes: HF generate joins the rotation where prefix caching is
     off (it has no prefix cache), and jaxbatch float32 / HF float32 is reported there."""
-    from jaxbatch.benchmarks import vs_vllm
+    from benchmarks import vs_vllm
     calls = []
     speed = {"jaxbatch": 300.0, "vllm": 250.0, "hf": 20.0}
     for name in vs_vllm.RUNNERS:

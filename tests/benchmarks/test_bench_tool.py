@@ -17,10 +17,13 @@ from jaxbatch.entrypoints import cli
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.py",
                 "setup_vllm_cpu.sh", "export_safetensors.py"}
-# What README.md and docs/BENCHMARKS.md run, by name (issue 28: each runs from `jaxbatch bench`).
-NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "quant", "overlap",
-         "profile", "vs-vllm", "scaleout", "step-keys", "accuracy", "decode-floor", "detok",
-         "hostile", "families", "structured", "lora", "roofline", "ops", "gemm", "calls")
+# What a user runs to decide (issue 55): each from `jaxbatch bench`, at most a dozen.
+NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "structured", "lora",
+         "quant", "roofline")
+# The instruments outside the wheel that README.md and docs/BENCHMARKS.md run by name.
+INSTRUMENTS = ("vs-vllm", "serve-launch", "throughput-hf", "throughput-gpu", "gpu-e2e", "scaleout", "overlap",
+               "profile", "ops", "calls", "gemm", "attention-read", "step-keys", "detok",
+               "families", "accuracy", "hostile")
 
 
 def test_help_lists_every_benchmark(capsys):
@@ -30,7 +33,19 @@ def test_help_lists_every_benchmark(capsys):
     assert capsys.readouterr().out == listed
     for name in NAMED:
         assert re.search(rf"^  {re.escape(name)} ", listed, re.M), name
+    assert len(registry.BENCHMARKS) <= 12
     assert "cost per million output tokens" in listed
+
+
+def test_instruments_list_every_named_one_and_each_has_main():
+    import benchmarks
+    from benchmarks.__main__ import main as run, usage
+    listed = usage()
+    for name in INSTRUMENTS:
+        assert re.search(rf"^  {re.escape(name)} ", listed, re.M), name
+    for name, (module, _) in benchmarks.INSTRUMENTS.items():
+        assert callable(importlib.import_module(f"benchmarks.{module}").main), name
+    assert run(["no-such-instrument"]) == 2
 
 
 def test_every_registered_module_has_main_or_is_reported_missing(capsys):
@@ -38,7 +53,7 @@ def test_every_registered_module_has_main_or_is_reported_missing(capsys):
         path = ROOT / "jaxbatch" / "benchmarks" / f"{module}.py"
         if path.exists():
             assert callable(importlib.import_module(f"jaxbatch.benchmarks.{module}").main), name
-        else:      # hostile.py comes from another branch: a clear message, no traceback
+        else:      # a module missing from an install: a clear message, no traceback
             assert registry.main([name]) == 2
             assert f"jaxbatch/benchmarks/{module}.py is missing" in capsys.readouterr().err
 
@@ -49,9 +64,18 @@ def test_unknown_benchmark_is_a_usage_error(capsys):
     assert "unknown benchmark 'no-such-bench'" in err and "throughput" in err
 
 
-def test_dispatch_passes_the_arguments_on(tmp_path, capsys):
-    # The cheapest real benchmark: detokenization of a few tokens (tokenizer only, no model).
-    assert cli.main(["bench", "detok", "--tokens", "40", "--repeats", "1"]) == 0
+def test_dispatch_passes_the_arguments_on(monkeypatch):
+    from jaxbatch.benchmarks import startup
+    seen = []
+    monkeypatch.setattr(startup, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "startup", "--repeats", "1"]) == 0
+    assert seen == [["--repeats", "1"]]
+
+
+def test_instrument_dispatch_passes_the_arguments_on(capsys):
+    # The cheapest real instrument: detokenization of a few tokens (tokenizer only, no model).
+    from benchmarks.__main__ import main as run
+    assert run(["detok", "--tokens", "40", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "texts identical" in out and "over 40 tokens" in out
 
@@ -59,7 +83,10 @@ def test_dispatch_passes_the_arguments_on(tmp_path, capsys):
 def test_python_dash_m_jaxbatch_bench_lists_them():
     proc = subprocess.run([sys.executable, "-m", "jaxbatch", "bench", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "decode-floor" in proc.stdout
+    assert proc.returncode == 0 and "roofline" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "vs-vllm" in proc.stdout
 
 
 def test_listing_imports_no_jax():
@@ -73,7 +100,7 @@ def test_listing_imports_no_jax():
 
 
 def test_no_tool_edits_sys_path():
-    offenders = [str(p.relative_to(ROOT)) for d in ("scripts", "jaxbatch")
+    offenders = [str(p.relative_to(ROOT)) for d in ("scripts", "jaxbatch", "benchmarks")
                  for p in (ROOT / d).rglob("*.py") if "sys.path.insert" in p.read_text()]
     assert offenders == []
 
@@ -129,7 +156,8 @@ def test_profile_floor_counts_every_token_once_through_the_matrices(monkeypatch)
     head per output token, attention over each token's keys, at the measured peak."""
     from types import SimpleNamespace
 
-    from jaxbatch.benchmarks import profile, roofline
+    from benchmarks import profile
+    from jaxbatch.benchmarks import roofline
     cfg = SimpleNamespace(num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8,
                           intermediate_size=16, num_layers=3, vocab_size=10)
     engine = SimpleNamespace(model_config=cfg, stats=lambda: {"dtype": "bfloat16"})
@@ -142,3 +170,13 @@ def test_profile_floor_counts_every_token_once_through_the_matrices(monkeypatch)
     flops = 2 * (2 * 3 * per_layer * tokens + 2 * 10 * 8 * 3 + 4 * 3 * 2 * 4 * keys)
     assert floor["gflop"] == pytest.approx(flops / 1e9)
     assert floor["seconds"] == pytest.approx(flops / 1e9)
+
+
+def test_step_keys_names_the_public_runner_hooks_it_needs(monkeypatch):
+    """The instrument runs executables on the runner's argument layout; without a public form
+    of it, it says which hooks it needs, before any model loads (no private call instead)."""
+    from benchmarks import step_keys
+    from jaxbatch.worker.runner import ModelRunner
+    monkeypatch.delattr(ModelRunner, "model_args", raising=False)
+    with pytest.raises(SystemExit, match="model_args"):
+        step_keys.main(["decode,4,1"])

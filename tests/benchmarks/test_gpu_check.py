@@ -73,7 +73,7 @@ def test_simulated_failures_make_it_exit_non_zero(tmp_path):
 # --- the near-tie rule (no subprocess) ---------------------------------------------------------
 
 def test_compare_greedy_accepts_only_near_ties():
-    from jaxbatch.benchmarks.gpu_e2e import compare_greedy
+    from benchmarks.gpu_e2e import compare_greedy
     lps = [{5: -0.1, 6: -3.0}, {7: -0.70, 8: -0.71}, {9: -0.2, 4: -2.0}]
     assert compare_greedy([5, 7, 9], lps, [5, 7, 9], 0.05)["ok"]
     near = compare_greedy([5, 7, 9], lps, [5, 8, 1], 0.05)     # parts at a 0.01 gap, then free
@@ -86,7 +86,7 @@ def test_compare_greedy_accepts_only_near_ties():
 
 
 def test_near_tie_tolerance_scales_with_dtype_and_width():
-    from jaxbatch.benchmarks.gpu_e2e import MODEL_SHAPES, near_tie_tolerance
+    from benchmarks.gpu_e2e import MODEL_SHAPES, near_tie_tolerance
     small, big = MODEL_SHAPES["small"], MODEL_SHAPES["8B"]
     assert near_tie_tolerance(small, "float32") < near_tie_tolerance(small, "bfloat16")
     assert near_tie_tolerance(small, "bfloat16") < near_tie_tolerance(big, "bfloat16") < 3.0

@@ -7,7 +7,7 @@ Qwen3 adds a q/k RMSNorm per head; Gemma 3 adds sandwich norms, the q/k norm, a 
 embedding, GELU and sliding windows on five layers of six (`--window`, shorter than most
 contexts so the window is exercised).
 
-    python -m jaxbatch bench families --rounds 3
+    python -m benchmarks families --rounds 3
 """
 from __future__ import annotations
 
@@ -134,3 +134,7 @@ def main(argv=None):
     for path in write_report(args.out, "families", report, md):
         print("wrote", path)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,15 +2,15 @@
 workload, and whether their tokens agree (they must: tensor parallelism only changes the order
 of float sums, data parallelism nothing a request can see).
 
-    jaxbatch bench scaleout --devices 3 --tensor-parallel-size 3   # CPU: 3 virtual devices
-    jaxbatch bench scaleout --devices 2 --data-parallel-size 2
-    jaxbatch bench scaleout --device gpu --tensor-parallel-size 8  # every GPU of a host
+    python -m benchmarks scaleout --devices 3 --tensor-parallel-size 3   # CPU: 3 virtual devices
+    python -m benchmarks scaleout --devices 2 --data-parallel-size 2
+    python -m benchmarks scaleout --device gpu --tensor-parallel-size 8  # every GPU of a host
 
 On a CPU, virtual devices (--devices) share the same cores: the figures say what the split
 costs in collectives and dispatch, not what a second chip would add. The embedded model has
 9 query / 3 KV heads, so it splits 1 or 3 ways (or 9). Prints one JSON line, with the cost per
 million output tokens at --price-per-hour. The virtual devices must be set before JAX starts:
-run it as its own process (`jaxbatch bench scaleout` is one).
+run it as its own process (`python -m benchmarks scaleout` is one).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jaxbatch.benchmarks.workloads import load_prompts
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench scaleout", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks scaleout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=1, help="CPU only: virtual devices")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)

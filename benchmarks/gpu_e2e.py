@@ -1,8 +1,8 @@
 """End-to-end decode speed of the engine on random-weight models of real shapes, on a GPU, and a
 check that its greedy outputs with the GPU attention equal those of the plain-reference path.
 
-    python -m jaxbatch.benchmarks.gpu_e2e --out DIR [--models small 1B 8B] [--budget-s 150]
-    python -m jaxbatch.benchmarks.gpu_e2e --out DIR --dry-run          # CPU, tiny shapes, interpret mode
+    python -m benchmarks.gpu_e2e --out DIR [--models small 1B 8B] [--budget-s 150]
+    python -m benchmarks.gpu_e2e --out DIR --dry-run          # CPU, tiny shapes, interpret mode
 
 For each model shape (bf16, weights from jax.random in the engine's stacked params layout, no
 tokenizer, token-id prompts):
@@ -46,12 +46,38 @@ from pathlib import Path
 import jax
 import numpy as np
 
-# The random models moved to random_models.py; these names stay importable from here.
+import jax.numpy as jnp
+
+# The random models are the package's (roofline and lora run them); re-exported for the tests.
 from jaxbatch.benchmarks.random_models import (  # noqa: F401
-    DTYPES, MODEL_SHAPES, copy_bandwidth, embedding_std, kv_bytes_per_token, logit_std,
-    param_bytes, random_model, random_params)
+    DTYPES, MODEL_SHAPES, embedding_std, logit_std, random_model, random_params)
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
+
+
+def param_bytes(params) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """K and V of one token across all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
+    """Device copy bandwidth in bytes/s: a jitted x + 1 on a bf16 buffer reads and writes
+    nbytes each; median of `reps` device-synchronised calls."""
+    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+    bump = jax.jit(lambda a: a + 1)
+    jax.block_until_ready(bump(x))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(bump(x))
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / float(np.median(times))
+
+
 
 # Near-tie rule, relative to the top logit: float32 as the CPU tests (1e-3); bfloat16 2**-7,
 # about one bf16 ulp (the logits come out of a bf16 matmul: at a top logit of ~290, for the
@@ -225,7 +251,7 @@ def run_model(name, args, backend):
         result["speed_int8"] = {"skipped": "time budget spent"}
     elif name in args.int8_models:
         # After the check (which decides pass/fail): the same run with an int8 KV cache and
-        # int8 weights, timing only (accuracy is `jaxbatch bench accuracy`'s job); same prompts, so
+        # int8 weights, timing only (accuracy is `python -m benchmarks accuracy`'s job); same prompts, so
         # the speeds compare directly.
         result["speed_int8"] = speed_run(loaded, args.slots, args.prompt_len, args.new_tokens,
                                          backend, args.seed, kv_cache_dtype="int8",

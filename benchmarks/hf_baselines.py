@@ -1,7 +1,9 @@
-"""Hugging Face transformers on the same requests, the baselines of the throughput benchmark:
+"""Hugging Face transformers on the same requests, the peers of the throughput benchmark:
 `generate` (static batching as users write it: padded groups) and `generate_batch` (its
 continuous batching). A token's time is when HF `generate` finishes the step that produced it
 (a StoppingCriteria records every step), or HF continuous batching's own per-token timestamps.
+
+    python -m benchmarks throughput-hf [every flag of jaxbatch bench throughput] [--threads N]
 """
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import time
 
 from tqdm.auto import tqdm
 
+from jaxbatch.benchmarks import throughput
 from jaxbatch.benchmarks.harness import RunResult, Trace
+
+# The ratio continuous batching is to reach against each (the seed issue's targets).
+GOALS = {"hf_generate": 3.0, "hf_generate_batch": 1.5}
 
 def load_hf_model(threads):
     import torch
@@ -121,3 +127,25 @@ def warm_hf(model, requests, slots, engines):
         run_hf_generate(model, few, slots, progress=False)
     if "hf_generate_batch" in engines:
         run_hf_generate_batch(model, few, slots, progress=False)
+
+
+def setup(args, requests) -> dict:
+    """The HF model loaded and warmed; {engine name: run(requests, slots)} for throughput."""
+    model = load_hf_model(args.threads)
+    warm_hf(model, requests, args.max_num_seqs, args.engines)
+    return {"hf_generate": lambda reqs, slots: run_hf_generate(model, reqs, slots),
+            "hf_generate_batch": lambda reqs, slots: run_hf_generate_batch(model, reqs, slots)}
+
+
+def add_threads(ap) -> None:
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+
+
+def main(argv=None) -> dict:
+    peers = throughput.Peers(goals=GOALS, setup=setup)
+    return throughput.main(argv, workloads=("offline",), prog="python -m benchmarks throughput-hf",
+                           peers=peers, extra=add_threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """Step time of chosen executable keys on the embedded model, for pricing a bucket change.
 
-    jaxbatch bench step-keys "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
+    python -m benchmarks step-keys "prefill,16,1" "prefill,16,4" "decode,32,64" [--reps 20]
 
 Each key (decode rows,items | prefill tokens,pages | sample rows) is compiled directly, whether
 or not the bucket rules list it, and run on warm-up's placeholder inputs with every row made
@@ -10,6 +10,10 @@ over the context in use runs no iteration there), the keys taking turns so that 
 machine's load drifts over all of them alike. Reports min and median wall and process CPU
 milliseconds. Keys are listed by `runner.bucket_shapes()`; for xla, ("decode", rows, items)
 and ("prefill", tokens, pages) with the items and pages it lists.
+
+It runs compiled executables on the runner's argument layout, so it needs the runner to offer
+that layout publicly: `runner.model_args(key, call_args)` and `runner.sampling_arrays(rows)`.
+Until the runner has them this tool says so and stops (it used to call their private forms).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="jaxbatch bench step-keys",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks step-keys",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("keys", nargs="+", help="kind,a[,b], e.g. decode,32,64")
     ap.add_argument("--reps", type=int, default=20)
@@ -32,6 +36,11 @@ def main(argv=None):
     import jax
     import numpy as np
     from jaxbatch import LLM
+    from jaxbatch.worker.runner import ModelRunner
+    missing = [name for name in ("model_args", "sampling_arrays") if not hasattr(ModelRunner, name)]
+    if missing:          # said before a model loads
+        raise SystemExit(f"step-keys needs the runner's public {', '.join(missing)} "
+                         "(the executables' argument layout); this runner has none")
     runner = LLM(warmup=False, max_num_seqs=args.max_num_seqs,
                  compilation_cache=False).llm_engine.runner
     keys = [(k.split(",")[0],) + tuple(int(x) for x in k.split(",")[1:]) for k in args.keys]
@@ -43,12 +52,12 @@ def main(argv=None):
             # kept tokens it updates, the rows' token slots); its last output is the new kept.
             n = key[1]
             logits = jax.numpy.zeros((n, runner.model_cfg.vocab_size))
-            out = jax.block_until_ready(exes[key](logits, runner._sampling_arrays([None] * n),
+            out = jax.block_until_ready(exes[key](logits, runner.sampling_arrays([None] * n),
                                                   runner.kept_tokens, np.zeros(n, np.int32)))
             runner.kept_tokens = out[-1]
             return out
         args = runner.layout.placeholder_call(*key).args
-        out = exes[key](*runner._model_args(key, _every_row_real(key, args)))
+        out = exes[key](*runner.model_args(key, every_row_real(key, args)))
         jax.block_until_ready(out)
         runner.pool = out[-1]
 
@@ -74,7 +83,7 @@ def main(argv=None):
     return report
 
 
-def _every_row_real(key: tuple, args: tuple) -> tuple:
+def every_row_real(key: tuple, args: tuple) -> tuple:
     """A placeholder call's args with no padding: a call's padding is the rows past its last
     one writing outside the null block's slot 0 (`decoder.padding_start`), and the GEMMs leave
     those out."""
@@ -90,3 +99,6 @@ def _every_row_real(key: tuple, args: tuple) -> tuple:
 
 if __name__ == "__main__":
     main()
+
+
+_every_row_real = every_row_real      # the name tests/worker/test_step_inputs.py imports

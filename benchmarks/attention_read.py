@@ -12,7 +12,7 @@ cache that a step would read from memory. Both orders are timed round by round, 
 so a slow moment of the machine hits both alike. Row lengths lie in (ctx/2, ctx]. Shapes
 default to SmolLM2-135M's (9 query heads over 3 KV heads of 64, 30 layers).
 
-    python -m jaxbatch bench attention-read [--rows 16 64] [--context 256] [--block-size 16]
+    python -m benchmarks attention-read [--rows 16 64] [--context 256] [--block-size 16]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ per kernel and sizes, calls per decode step, their median and mean, and how much
 they fill. The rest of a step is XLA's own ops, the gaps between calls and the host's share of
 the cores. Unlike `bench ops` (XLA's profiler), nothing traces the step while it is timed.
 
-    jaxbatch bench calls [--rows 4 16] [--tokens 64] [--dtype auto] [--random-model SHAPE]
+    python -m benchmarks calls [--rows 4 16] [--tokens 64] [--dtype auto] [--random-model SHAPE]
 
 For each row count: that many prompts (12 token ids each) through `LLM.generate` with its
 defaults (host/device overlap on), greedy, `ignore_eos`, `--tokens` output tokens each; a
@@ -27,6 +27,15 @@ from jaxbatch.benchmarks.report import table, write_report
 
 KIND, A, B, C, ENTRY, END = range(6)    # call_log.records() columns
 IDS = {name: k for k, name in call_log.KERNELS.items()}
+
+
+def instrument() -> None:
+    """The call log is compiled in only for an instrumented build of the kernels:
+    `call_log.instrument()` switches this process to it, before any kernel is registered (so
+    before the first model loads). A build that logs every call has no such switch."""
+    switch = getattr(call_log, "instrument", None)
+    if switch is not None:
+        switch()
 
 
 def decode_steps(records: np.ndarray, rows: int) -> list[tuple[np.ndarray, int]]:
@@ -103,7 +112,7 @@ def report_md(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench calls",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks calls",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per prompt")
@@ -112,6 +121,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.tokens < 4:
         ap.error("--rows at least 1, --tokens at least 4")
+    instrument()
     from jaxbatch import LLM
     loaded = load_bench_model(args)
     vocab = loaded.config.vocab_size
@@ -129,3 +139,7 @@ def main(argv=None) -> int:
                                                   "results": results}, md):
         print("wrote", path)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ each request's own tokens. One untimed pass of the first group (shortened) first
 timed passes; writes one JSON object. Its own process, so torch's threads never share a
 process with XLA's:
 
-    python -m jaxbatch.benchmarks.hf_offline --model hf_export/SmolLM2-135M-Instruct --dtype float32
+    python -m benchmarks.hf_offline --model hf_export/SmolLM2-135M-Instruct --dtype float32
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jaxbatch.benchmarks.workloads import Request, encode_prompts, make_workload
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m jaxbatch.benchmarks.hf_offline",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_offline",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF directory (scripts/export_safetensors.py)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -33,7 +33,7 @@ def main(argv=None) -> dict:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from jaxbatch.benchmarks.hf_baselines import run_hf_generate
+    from benchmarks.hf_baselines import run_hf_generate
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     model.eval()

@@ -1,6 +1,6 @@
 """Host cost of turning generated tokens into text, per token, at long outputs.
 
-    jaxbatch bench detok [--tokens 2048] [--repeats 3]
+    python -m benchmarks detok [--tokens 2048] [--repeats 3]
 
 "before": what the engine did per step until the incremental detokenizer (its former
 `_apply_stop_strings`): decode the whole output every step, then search the whole text for
@@ -51,7 +51,7 @@ def after(tok, ids):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench detok", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks detok", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)

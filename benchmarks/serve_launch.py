@@ -1,8 +1,27 @@
-"""Servers the serve benchmark starts itself (`--launch`), and its offline baseline: jaxbatch
-`LLM.generate` on the same workload in a subprocess (`--offline-baseline`)."""
+"""`jaxbatch bench serve` with servers started here and an offline baseline: the lab's way to put
+jaxbatch continuous / static and vLLM on one workload, and served against offline.
+
+    python -m benchmarks serve-launch --launch jaxbatch-continuous jaxbatch-static vllm \\
+        --vllm-model hf_export/SmolLM2-135M-Instruct --request-rate 1 4 inf
+    python -m benchmarks serve-launch --launch jaxbatch-continuous --request-rate inf \\
+        --offline-baseline --rounds 6 --serve-args "--max-model-len 2048 --dtype bfloat16"
+
+Every flag of `jaxbatch bench serve` applies (--target too). --launch starts each server on a
+free 127.0.0.1 port, one at a time (vLLM: bash scripts/setup_vllm_cpu.sh;
+scripts/export_safetensors.py --out DIR). --offline-baseline runs jaxbatch `LLM.generate` in a
+subprocess with the engine settings a launched `jaxbatch serve` gets (--max-num-seqs,
+--serve-args as keyword arguments), the same prompts with the chat template applied, the same
+max_tokens, greedy, ignore_eos; one untimed pass, then --offline-passes timed ones, after every
+round of every server while it waits idle, so served and offline passes alternate. Each run
+at rate inf is then reported as median served / median offline output tok/s.
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import statistics
+import sys
 import os
 import shlex
 import signal
@@ -11,12 +30,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from jaxbatch.benchmarks import serve
 from jaxbatch.benchmarks.workloads import encode_prompts
 
 LAUNCHABLE = ("jaxbatch-continuous", "jaxbatch-static", "vllm")
-# The checkout this package runs from (servers start there; .venv-vllm and hf_export/ live there
-# as scripts/setup_vllm_cpu.sh and scripts/export_safetensors.py make them).
-REPO = Path(__file__).resolve().parents[2]
+# The checkout (servers start there; .venv-vllm and hf_export/ live there as
+# scripts/setup_vllm_cpu.sh and scripts/export_safetensors.py make them).
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 def free_port() -> int:
@@ -159,8 +179,109 @@ def run_offline_baseline(args, workload, out_dir: Path) -> dict:
             "out": str(out_dir / "offline_baseline.json")}
     spec_path = out_dir / "offline_spec.json"
     spec_path.write_text(json.dumps(spec))
-    cmd = [args.jaxbatch_python, "-m", "jaxbatch.benchmarks.serve", "--offline-worker",
+    cmd = [args.jaxbatch_python, "-m", "benchmarks.serve_launch", "--offline-worker",
            str(spec_path)]
     print(f"[offline] {shlex.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((out_dir / "offline_baseline.json").read_text())
+
+
+def served_vs_offline(runs: list[dict], offline: list[dict]) -> dict:
+    """Each target's runs at rate inf (per concurrency) against the offline passes: median
+    served / median offline output tok/s, with every round's numbers."""
+    off = [o["output_tokens_per_s"] for o in offline]
+    ob = {**offline[-1], "rounds": off, "output_tokens_per_s": statistics.median(off)}
+    groups: dict = {}
+    for r in runs:
+        s = r["summary"]
+        if s["request_rate"] == math.inf:
+            key = (r["target"], serve.rate_label(s["request_rate"], s["max_concurrency"]))
+            groups.setdefault(key, []).append(s["output_tokens_per_s"])
+    ob["served_vs_offline"] = [
+        {"target": target, "rate": rate, "served_rounds": served,
+         "served_output_tokens_per_s": statistics.median(served),
+         "ratio": statistics.median(served) / ob["output_tokens_per_s"]}
+        for (target, rate), served in groups.items()]
+    return ob
+
+
+def offline_notes(ob: dict) -> list[str]:
+    rounds = ob.get("rounds", [ob["output_tokens_per_s"]])
+    lines = [f"\nOffline jaxbatch LLM.generate on the same workload: "
+             f"{ob['output_tokens_per_s']:.1f} out tok/s"
+             + (f" (median of {len(rounds)} rounds: {' / '.join(f'{x:.1f}' for x in rounds)})"
+                if len(rounds) > 1 else f" ({ob['output_tokens']} tokens in {ob['seconds']:.1f} s)")]
+    for row in ob.get("served_vs_offline", []):
+        served = row.get("served_rounds", [])
+        lines.append(f"- {row['target']} served at rate {row['rate']}: "
+                     f"{row['served_output_tokens_per_s']:.1f} out tok/s"
+                     + (f" (median of {' / '.join(f'{x:.1f}' for x in served)})"
+                        if len(served) > 1 else "")
+                     + f" = **{row['ratio']:.2f} x** jaxbatch offline")
+    return lines
+
+
+def add_flags(ap) -> None:
+    ap.add_argument("--launch", nargs="+", default=[], choices=LAUNCHABLE,
+                    help="start these servers here, one at a time, on free 127.0.0.1 ports")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="launched servers and offline")
+    ap.add_argument("--serve-args", default="",
+                    help="extra flags for launched jaxbatch servers (and, as LLM kwargs, for "
+                         "--offline-baseline), e.g. '--max-model-len 1024'")
+    ap.add_argument("--jaxbatch-python", default=sys.executable)
+    ap.add_argument("--jaxbatch-model", default=None, help="MODEL for jaxbatch (default embedded)")
+    ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
+    ap.add_argument("--vllm-model", default=None, help="HF directory for --launch vllm")
+    ap.add_argument("--vllm-args", default="--max-model-len 2048",
+                    help="extra flags for a launched vLLM server")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--offline-baseline", action="store_true",
+                    help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
+                         "after each round) and report served / offline output tok/s")
+    ap.add_argument("--offline-passes", type=int, default=1,
+                    help="timed offline passes after the untimed one (best is reported)")
+
+
+class Driver:
+    """serve.main's driver: the launched servers, the offline pass after every round."""
+
+    def __init__(self):
+        self.offline = []
+
+    def servers(self, args, out_dir, report):
+        for kind in args.launch:
+            server = LaunchedServer(kind, args, out_dir)
+            info = report["servers"].setdefault(kind, {"command": shlex.join(server.cmd)})
+            try:
+                info["startup_s"] = server.wait_ready(args.startup_timeout)
+                yield kind, server.base
+            except Exception as e:
+                info["error"] = f"{type(e).__name__}: {e}"
+                print(f"[{kind}] failed: {info['error']}", flush=True)
+            finally:
+                server.stop()
+
+    def between(self, args, workload, out_dir):
+        if args.offline_baseline:
+            self.offline.append(run_offline_baseline(args, workload, out_dir))
+
+    def finish(self, args, report, workload, out_dir) -> list[str]:
+        if not args.offline_baseline:
+            return []
+        while len(self.offline) < args.rounds:       # no server ran: the offline rounds alone
+            self.between(args, workload, out_dir)
+        report["offline_baseline"] = served_vs_offline(report["runs"], self.offline)
+        return offline_notes(report["offline_baseline"])
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--offline-worker"]:
+        offline_worker(argv[1])
+        return {}
+    return serve.main(argv, prog="python -m benchmarks serve-launch", extra=add_flags,
+                      driver=Driver())
+
+
+if __name__ == "__main__":
+    main()

@@ -4,10 +4,10 @@ with the served numbers. Run it with the vLLM venv's python (scripts/setup_vllm_
 repository root (that venv has no jaxbatch installed: `-m` finds it in the current directory;
 nothing of jaxbatch that imports JAX is loaded):
 
-    .venv-vllm/bin/python -m jaxbatch.benchmarks.vllm_offline --model hf_export/SmolLM2-135M-Instruct
+    .venv-vllm/bin/python -m benchmarks.vllm_offline --model hf_export/SmolLM2-135M-Instruct
     # both cores for vLLM's compute (by default vLLM's CPU backend reserves one core for its
     # front end; jaxbatch's XLA uses every core):
-    .venv-vllm/bin/python -m jaxbatch.benchmarks.vllm_offline --model DIR --omp-bind 0-1 --reserved-cpus 0
+    .venv-vllm/bin/python -m benchmarks.vllm_offline --model DIR --omp-bind 0-1 --reserved-cpus 0
 
 48 chat requests by default, output lengths round(lognormal(32, 1)) clipped to [8, 256],
 16 slots (max_num_seqs), float32, greedy, ignore_eos. An untimed pass of the whole workload
@@ -26,7 +26,7 @@ from jaxbatch.benchmarks.workloads import encode_prompts, make_workload
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jaxbatch.benchmarks.vllm_offline",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_offline",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF directory (scripts/export_safetensors.py)")
     ap.add_argument("--num-prompts", type=int, default=48)

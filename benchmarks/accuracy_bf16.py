@@ -1,6 +1,6 @@
 """What bf16 costs in accuracy, against float32, on the same checkpoint (issue 27).
 
-    jaxbatch bench accuracy-bf16 [--window 512] [--chunk 128] [--max-tokens 32] [--out accuracy_out]
+    python -m benchmarks accuracy-bf16 [--window 512] [--chunk 128] [--max-tokens 32] [--out accuracy_out]
 
 Reuses `bench accuracy`'s harness (accuracy.py): the same bundled text, windows and chunked prefill
 through the engine's own forward, with float32 as the reference instead of the full-precision
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.benchmarks import accuracy
+from benchmarks import accuracy
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
@@ -40,10 +40,10 @@ def teacher_forced(params, cfg, ids, window, chunk) -> dict:
         targets = jnp.asarray(w[1:], jnp.int32)
         lp = {d: accuracy.window_logprobs(params[d], cfg, "auto", jnp.dtype(d), w, chunk,
                                           inv_freq)[:-1] for d in DTYPES}
-        a, k, n = accuracy._compare(lp["float32"], lp["bfloat16"], targets)
+        a, k, n = accuracy.compare(lp["float32"], lp["bfloat16"], targets)
         agree.append(np.asarray(a)), kl.append(np.asarray(k, np.float64))
         nll["bfloat16"].append(np.asarray(n, np.float64))
-        nll["float32"].append(np.asarray(accuracy._compare(lp["float32"], lp["float32"], targets)[2],
+        nll["float32"].append(np.asarray(accuracy.compare(lp["float32"], lp["float32"], targets)[2],
                                          np.float64))
     ppl = {d: float(np.exp(np.concatenate(v).mean())) for d, v in nll.items()}
     agree, kl = np.concatenate(agree), np.concatenate(kl)

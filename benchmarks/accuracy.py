@@ -1,7 +1,7 @@
 """What int8 quantization costs in accuracy, against the full-precision model.
 
-    jaxbatch bench accuracy [--dtype float32] [--window 512] [--out accuracy_out]
-    (bf16 against float32: jaxbatch bench accuracy-bf16, which reuses this harness)
+    python -m benchmarks accuracy [--dtype float32] [--window 512] [--out accuracy_out]
+    (bf16 against float32: python -m benchmarks accuracy-bf16, which reuses this harness)
 
 Teacher-forced: the bundled text (benchmarks/data/accuracy_text.txt, ~4k tokens of original
 English prose on several topics) is cut into windows of --window tokens, and each window runs
@@ -67,7 +67,7 @@ def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq):
 
 
 @jax.jit
-def _compare(full_lp, lp, targets):
+def compare(full_lp, lp, targets):
     """Per position: top-1 agreement, KL(full || variant), NLL of the actual next token."""
     agree = jnp.argmax(full_lp, -1) == jnp.argmax(lp, -1)
     kl = jnp.sum(jnp.exp(full_lp) * (full_lp - lp), axis=-1)
@@ -102,7 +102,7 @@ def teacher_forced(models, cfg, dtype, ids, window, chunk):
         for name, (kv_dtype, quant) in VARIANTS.items():
             lp = full if name == "full" else window_logprobs(
                 models[quant], cfg, kv_dtype, dtype, w, chunk, inv_freq)[:-1]
-            for key, arr in zip(("agree", "kl", "nll"), _compare(full, lp, targets)):
+            for key, arr in zip(("agree", "kl", "nll"), compare(full, lp, targets)):
                 per[name][key].append(np.asarray(arr, np.float64))
     summary = {}
     ppl_full = float(np.exp(np.concatenate(per["full"]["nll"]).mean()))
@@ -175,7 +175,7 @@ def markdown(report) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench accuracy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=128)

@@ -13,7 +13,7 @@ runs while the device computes the previous step, so the wall time per step shou
 about the host time, and the wait grow by what the host no longer adds. Both engines share one
 runner (same executables); on/off alternate --repeats times; medians reported.
 
-    jaxbatch bench overlap [--repeats 3] [--out bench_out] [--price-per-hour USD]
+    python -m benchmarks overlap [--repeats 3] [--out bench_out] [--price-per-hour USD]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import numpy as np
 from jaxbatch.benchmarks.harness import (pow2_model_len, run_jaxbatch, run_on_embedded_model,
                                          summarize)
 from jaxbatch.benchmarks.machine import add_price_argument
-from jaxbatch.benchmarks.observer import HostDelay, observe
+from benchmarks.observer import HostDelay, observe
 from jaxbatch.benchmarks.report import cost_cell, price_line, table
 from jaxbatch.benchmarks.workloads import encode_prompts, load_prompts, offline_requests
 
@@ -127,7 +127,7 @@ def markdown(report) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench overlap", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=48)

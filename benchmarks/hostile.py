@@ -2,8 +2,8 @@
 answer, server still serving, server RSS before/after, and /health p99 under a slowloris and
 under saturation.
 
-    python -m jaxbatch.benchmarks.hostile --spawn [--tiny] [--cases zoo,flood,...]
-    python -m jaxbatch.benchmarks.hostile --base http://127.0.0.1:8000 --pid PID
+    python -m benchmarks.hostile --spawn [--tiny] [--cases zoo,flood,...]
+    python -m benchmarks.hostile --base http://127.0.0.1:8000 --pid PID
 
 Cases: idle (/health p99 alone, the baseline), zoo (bad inputs, one row each), flood (concurrent requests listing many prompts x n),
 slowloris (sockets dripping header bytes), saturation (streams holding every slot),
@@ -333,7 +333,7 @@ CASES = ("idle", "zoo", "flood", "slowloris", "saturation", "disconnect", "signa
 
 
 def run(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m jaxbatch.benchmarks.hostile")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hostile")
     ap.add_argument("--base", help="a running server (else --spawn)")
     ap.add_argument("--pid", type=int, help="its process id (RSS, signals)")
     ap.add_argument("--spawn", action="store_true", help="start `jaxbatch serve` for the run")

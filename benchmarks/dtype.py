@@ -1,7 +1,7 @@
 """float32 against bf16 on the embedded model, small and short (issue 27; docs/BENCHMARKS.md).
 
-    jaxbatch bench dtype profile --dtype bfloat16     # 4 requests x 8 tokens, 4 slots
-    jaxbatch bench dtype mixed [--dtypes float32,bfloat16] [--rounds 2]
+    python -m benchmarks dtype profile --dtype bfloat16     # 4 requests x 8 tokens, 4 slots
+    python -m benchmarks dtype mixed [--dtypes float32,bfloat16] [--rounds 2]
 
 profile: every executable is waited for and timed (host/device overlap off), so each call's
 wall time is its device time; prints calls, total and median per key.
@@ -12,7 +12,6 @@ alternating between the engines; one JSON line per round.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -20,30 +19,21 @@ import time
 
 
 def profile(dtype: str) -> None:
-    import jax
-    import numpy as np
+    from benchmarks.observer import ExecutableTimer, observe
     from jaxbatch import LLM, SamplingParams
     llm = LLM(dtype=dtype, max_num_seqs=4, async_scheduling=False)
-    runner = llm.llm_engine.runner
-    per_key = collections.defaultdict(list)
-    run = runner._run
-
-    def timed_run(key, args):
-        start = time.perf_counter()
-        out = jax.block_until_ready(run(key, args))
-        per_key[key].append(time.perf_counter() - start)
-        return out
-
-    runner._run = timed_run
     prompts = ["Tell me a story about a dragon.", "What is 2+2?", "Write a haiku about the sea.",
                "List three colors."]
-    start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                 use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    # The runner's executable observers (public): with one attached, each executable is waited
+    # for, so its wall time is its device time.
+    with observe(llm.llm_engine, ExecutableTimer()) as timer:
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        elapsed = time.perf_counter() - start
     print(json.dumps({"dtype": llm.llm_engine.stats()["dtype"], "seconds": round(elapsed, 3)}))
-    for key, times in sorted(per_key.items(), key=lambda kv: -sum(kv[1])):
-        print(key, len(times), f"total {sum(times):.3f} s", f"median {np.median(times) * 1e3:.1f} ms")
+    for key, (calls, seconds) in sorted(timer.per_key.items(), key=lambda kv: -kv[1][1]):
+        print(key, calls, f"total {seconds:.3f} s", f"mean {seconds / calls * 1e3:.1f} ms")
 
 
 def mixed(dtypes: list[str], rounds: int) -> None:

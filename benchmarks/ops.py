@@ -2,7 +2,7 @@
 around steady decode steps and one prefill chunk, each op named with its shape from the
 compiled executable's HLO.
 
-    python -m jaxbatch bench ops [--rows 16 64] [--prefill-tokens 256] [--dtype auto]
+    python -m benchmarks ops [--rows 16 64] [--prefill-tokens 256] [--dtype auto]
                                  [--steps 5] [--top 20] [--random-model SHAPE]
 
 Decode: `rows` requests decoding in lockstep at contexts in (ctx/2, ctx] (roofline's steady
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from jaxbatch.benchmarks.observer import ExecutableTimer, observe
+from benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
 from jaxbatch.worker.runner import MODEL_CALLS     # the runner's model-call kinds
@@ -154,7 +154,7 @@ def _markdown(title: str, prof: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="jaxbatch bench ops", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks ops", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="*", default=[16])
     ap.add_argument("--context", type=int, default=256, help="a power of two")
     ap.add_argument("--prefill-tokens", type=int, default=256, help="0: no prefill")
@@ -164,7 +164,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/ops")
     args = ap.parse_args(argv)
     from jaxbatch import SamplingParams
-    from jaxbatch.benchmarks.decode_floor import steady_decode_engine
+    from jaxbatch.benchmarks.roofline import steady_decode_engine
     from jaxbatch.engine.llm_engine import LLMEngine
     loaded = load_bench_model(args)
 

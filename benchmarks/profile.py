@@ -1,6 +1,6 @@
 """Where the device time of the mixed chat workload goes, executable by executable.
 
-    jaxbatch bench profile [--num-requests 48] [--max-num-seqs 16] [--prefix-caching]
+    python -m benchmarks profile [--num-requests 48] [--max-num-seqs 16] [--prefix-caching]
                            [--dtype float32] [--no-unified-step] [--block-size 16]
 
 The serve benchmark's workload (bundled prompts, chat template, output lengths lognormal(32, 1) in
@@ -22,13 +22,13 @@ import json
 import time
 from pathlib import Path
 
-from jaxbatch.benchmarks.observer import ExecutableTimer, observe
+from benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import make_workload
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench profile", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks profile", description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--prefix-caching", action="store_true")

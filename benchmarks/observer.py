@@ -1,5 +1,5 @@
-"""Step observers: what a benchmark attaches to an engine to watch its steps, instead of
-replacing the engine's or the runner's methods.
+"""Step observers: what an instrument attaches to an engine to watch its steps, instead of
+replacing the engine's or the runner's methods (the engine's public observation points).
 
 Two hooks, each a list the core calls (and nothing else, so an engine without observers runs
 exactly as before):
@@ -60,16 +60,6 @@ class KvReadMeter:
 
     def on_step(self, plan, dispatch_s, wait_s):
         self.per_step.append((sum(d.position + 1 for d in plan.decodes), not plan.prefills))
-
-
-class LastPlan:
-    """Keeps the plan of the last step (decode_floor times the pieces on its inputs)."""
-
-    def __init__(self):
-        self.plan = None
-
-    def on_step(self, plan, dispatch_s, wait_s):
-        self.plan = plan
 
 
 class HostDelay:

@@ -9,7 +9,7 @@ would otherwise find the previous pass's prompts cached: a measure of the cache,
 and jaxbatch's `prefix_cache_granularity="block"` (vLLM's: its 25 distinct prompts are shorter
 than one of jaxbatch's 256-token prefill chunks, so the default "chunk" rule would share none).
 
-    jaxbatch bench vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
+    python -m benchmarks vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
         [--jaxbatch-dtypes bfloat16 float32] [--vllm-dtypes bfloat16 float32] [--hf-dtypes float32]
 
 Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
 from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
-from jaxbatch.benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
+from benchmarks.serve_launch import DEFAULT_VLLM_PYTHON, REPO
 from jaxbatch.benchmarks.workloads import make_workload
 
 
@@ -42,14 +42,14 @@ def run_jaxbatch(args, caching: str, out_dir: Path, dtype: str) -> float:
             "timed_passes": args.passes, "out": str(out_dir / f"jaxbatch_{dtype}_{caching}.json")}
     spec_path = out_dir / f"jaxbatch_spec_{dtype}_{caching}.json"
     spec_path.write_text(json.dumps(spec))
-    subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.serve", "--offline-worker",
+    subprocess.run([sys.executable, "-m", "benchmarks.serve_launch", "--offline-worker",
                     str(spec_path)], check=True, cwd=REPO)
     return json.loads(Path(spec["out"]).read_text())["output_tokens_per_s"]
 
 
 def run_vllm(args, caching: str, out_dir: Path, dtype: str) -> float:
     out = out_dir / f"vllm_{dtype}_{caching}.json"
-    cmd = [str(DEFAULT_VLLM_PYTHON), "-m", "jaxbatch.benchmarks.vllm_offline",
+    cmd = [str(DEFAULT_VLLM_PYTHON), "-m", "benchmarks.vllm_offline",
            "--model", args.vllm_model, "--passes", str(args.passes), "--out", str(out),
            "--dtype", dtype,
            "--enable-prefix-caching" if caching == "on" else "--no-enable-prefix-caching"]
@@ -62,7 +62,7 @@ def run_vllm(args, caching: str, out_dir: Path, dtype: str) -> float:
 def run_hf(args, caching: str, out_dir: Path, dtype: str) -> float:
     """HF `generate` (static groups of 16) on the same workload (caching is always off)."""
     out = out_dir / f"hf_{dtype}.json"
-    subprocess.run([sys.executable, "-m", "jaxbatch.benchmarks.hf_offline", "--model",
+    subprocess.run([sys.executable, "-m", "benchmarks.hf_offline", "--model",
                     args.vllm_model, "--dtype", dtype, "--out", str(out)],
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["output_tokens_per_s"]
@@ -72,7 +72,7 @@ RUNNERS = {"jaxbatch": run_jaxbatch, "vllm": run_vllm, "hf": run_hf}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench vs-vllm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks vs-vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix-caching", nargs="+", choices=("off", "on"), default=["off", "on"])
     ap.add_argument("--rounds", type=int, default=2)

@@ -1,7 +1,8 @@
-"""The throughput benchmark on a GPU (`jaxbatch bench throughput --device gpu`): random-weight
-Llama shapes in bf16, token-id prompts, continuous vs static, and the model-bandwidth
-utilisation of each decode step: (weights read + KV read) / step time / copy bandwidth measured
-in the same run.
+"""The throughput benchmark on a GPU: random-weight Llama shapes in bf16, token-id prompts,
+continuous vs static, and the model-bandwidth utilisation of each decode step: (weights read +
+KV read) / step time / copy bandwidth measured in the same run.
+
+    python -m benchmarks throughput-gpu [--gpu-models 1B 8B] [--dry-run] [throughput's flags]
 """
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import gc
 
 import numpy as np
 
+from benchmarks import gpu_e2e as random_models
+from jaxbatch.benchmarks import throughput
 from jaxbatch.benchmarks.harness import (ideal_ratio, pow2_model_len, run_jaxbatch, step_stats,
                                          summarize, warmed_engine)
-from jaxbatch.benchmarks.observer import KvReadMeter, observe
-from jaxbatch.benchmarks.workloads import offline_requests, synthetic_prompt_ids
+from benchmarks.observer import KvReadMeter, observe
+from jaxbatch.benchmarks.report import fmt, table
+from jaxbatch.benchmarks.workloads import load_prompts, offline_requests, synthetic_prompt_ids
 
 
 def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_bps) -> dict:
@@ -31,7 +35,6 @@ def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_b
 def bench_gpu(args, entries) -> dict:
     """Random-weight Llama shapes (bf16), token-id prompts, continuous vs static, MBU."""
     import jax
-    from jaxbatch.benchmarks import random_models
     from jaxbatch.worker.kv_cache import bytes_per_block
     from jaxbatch.model.quantize import quantize_params
     models = args.gpu_models or (["tiny"] if args.dry_run else ["1B", "8B"])
@@ -73,3 +76,54 @@ def bench_gpu(args, entries) -> dict:
         del loaded
         gc.collect()
     return out
+
+
+def gpu_flags(ap) -> None:
+    ap.add_argument("--gpu-models", nargs="+", default=None,
+                    help="shapes from gpu_e2e.MODEL_SHAPES (default 1B 8B)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on CPU with a tiny random model and short prompts")
+
+
+def parse_args(argv=None):
+    given = argv if argv is not None else __import__("sys").argv[1:]
+    args = throughput.parse_args(argv, ("offline",), "python -m benchmarks throughput-gpu",
+                                 extra=gpu_flags)
+    if "--warmup" not in given:
+        args.warmup = "workload"
+    if "--max-num-seqs" not in given:
+        args.max_num_seqs = 4 if args.dry_run else 64
+    if "--num-requests" not in given:
+        args.num_requests = 12 if args.dry_run else 4 * args.max_num_seqs
+    if args.dry_run:
+        # Tiny everything: checks the GPU path's code on CPU, Pallas in interpret mode.
+        args.max_num_seqs, args.num_requests = min(args.max_num_seqs, 4), min(args.num_requests, 12)
+        args.max_prompt_len = args.max_prompt_len or 40
+        args.lengths = (8, args.output_sigma, 2, 24)
+        args.engine_kwargs["attention_backend"] = "pallas_interpret"
+    return args
+
+
+def markdown(report) -> str:
+    parts, price = [], report["price"]
+    for name, m in report["gpu"]["models"].items():
+        parts.append(f"\nGPU {name} (bf16 random weights), copy bandwidth "
+                     f"{report['gpu']['copy_GBps']:.0f} GB/s, ideal ratio "
+                     f"{m['ideal']['ideal_ratio']:.2f}\n")
+        parts.append(throughput.engine_table(m["summaries"], price) + "\n")
+        parts.append(table(["engine", "MBU median", "MBU aggregate", "decode step ms"],
+                           [[b, fmt(s["mbu_median"], 2), fmt(s["mbu_aggregate"], 2),
+                             fmt(s["decode_step_ms_median"], 2)]
+                            for b, s in m["summaries"].items()]))
+    return "\n".join(parts + ["\n" + throughput.price_line(price)])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = throughput.start_report(args)
+    report["gpu"] = bench_gpu(args, load_prompts(args.prompts))
+    return throughput.finish(args, report, markdown, plots=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Our CPU GEMM kernel (`cpu_kernels/packed_gemm.cc`) against the XLA dot it replaces, on the
 embedded model's matrices, at the row counts the engine calls them with.
 
-    python -m jaxbatch bench gemm [--rows 1 4 16 64 256] [--dtype bfloat16 float32]
+    python -m benchmarks gemm [--rows 1 4 16 64 256] [--dtype bfloat16 float32]
                                   [--matrices wqkv wo ...] [--calls 30] [--out bench_out/gemm]
 
 Both run on the same random x and weight, in their own storage forms: XLA's dot over the
@@ -51,7 +51,7 @@ def measure(dtype: str, rows: int, fan_in: int, fan_out: int, calls: int, rng) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxbatch bench gemm", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks gemm", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--matrices", nargs="+", default=[name for name, _, _ in SHAPES],
@@ -82,3 +82,7 @@ def main(argv=None) -> int:
     print(md)
     write_report(args.out, "gemm", {"results": results}, md)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

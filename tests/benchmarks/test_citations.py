@@ -1,0 +1,65 @@
+"""Code comments cite design facts, not dated log entries: docs/BENCHMARKS.md states today's
+figures and its history is git's, so "docs/BENCHMARKS.md, 2026-12-05 morning" points at nothing.
+A citation may name the page, or one of its sections by its heading."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("jaxbatch", "cpu_kernels", "pallas_kernels")
+SUFFIXES = (".py", ".cc", ".h")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+QUOTED = re.compile(r'^\s*[,(]?\s*"([^"]+)"')     # right after the name: BENCHMARKS.md, "Section"
+WINDOW = 160        # characters after the citation that belong to it (a comment runs on)
+
+
+def headings(page: str) -> set[str]:
+    return {line.lstrip("#").strip() for line in page.splitlines() if line.startswith("#")}
+
+
+def offenders(root: Path = ROOT) -> list[str]:
+    """`path:line: text` of each BENCHMARKS.md citation carrying a date, or naming a section the
+    page does not have."""
+    sections = headings((root / "docs" / "BENCHMARKS.md").read_text())
+    found = []
+    for folder in SOURCES:
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix not in SUFFIXES:
+                continue
+            text = path.read_text()
+            for match in re.finditer(r"BENCHMARKS(\.md)?", text):
+                after = text[match.end():match.end() + WINDOW]
+                # Only the comment's own words: comment markers and line breaks drop out.
+                after = re.sub(r"\n\s*(#|//|\*)?", " ", after)
+                quoted = QUOTED.match(after)
+                dated = DATE.search(after.split(")")[0])
+                if dated or (quoted and not any(quoted.group(1) in s for s in sections)):
+                    line = text.count("\n", 0, match.start()) + 1
+                    found.append(f"{path.relative_to(root)}:{line}: "
+                                 f"{text.splitlines()[line - 1].strip()}")
+    return found
+
+
+def test_no_source_cites_a_dated_log_entry():
+    found = offenders()
+    assert not found, ("cite the design fact, not a dated BENCHMARKS.md entry:\n"
+                       + "\n".join(found))
+
+
+def test_the_check_finds_a_dated_citation_and_a_missing_section(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n\n## Prefix caching\n")
+    (tmp_path / "jaxbatch").mkdir()
+    (tmp_path / "jaxbatch" / "a.py").write_text(
+        "x = 1  # slower (docs/BENCHMARKS.md, 2026-12-05\n"
+        "# morning)\n"
+        "y = 2  # measured (BENCHMARKS.md, \"Prefix caching\")\n"
+        "z = 3  # measured (BENCHMARKS.md, \"Late evening of a day\")\n"
+        "w = 4  # figures in docs/BENCHMARKS.md\n")
+    (tmp_path / "cpu_kernels").mkdir()
+    (tmp_path / "cpu_kernels" / "k.cc").write_text(
+        "// slower (docs/BENCHMARKS.md,\n// 2026-12-05 late morning).\n")
+    (tmp_path / "pallas_kernels").mkdir()
+    assert sorted(o.split(": ")[0] for o in offenders(tmp_path)) == [
+        "cpu_kernels/k.cc:1", "jaxbatch/a.py:1", "jaxbatch/a.py:4"]
