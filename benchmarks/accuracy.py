@@ -5,7 +5,7 @@
 
 Teacher-forced: the bundled text (benchmarks/data/accuracy_text.txt, ~4k tokens of original
 English prose on several topics) is cut into windows of --window tokens, and each window runs
-through the engine's own forward (`model.llama.forward_hidden`, paged KV pool, prefill in
+through the engine's own forward (`model.decoder.forward_hidden`, paged KV pool, prefill in
 chunks of --chunk tokens, so later chunks read the KV that earlier ones wrote: for an int8 cache,
 quantized KV, exactly as in serving). At every position, each variant's next-token distribution
 is compared with the full-precision one (same dtype, float KV cache, float weights):
@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.benchmarks.workloads import ACCURACY_TEXT as TEXT
-from jaxbatch.model import llama, precision
+from jaxbatch.model import precision
+from jaxbatch.model.decoder import compute_logits
+from jaxbatch.worker.model_calls import reference_forward, reference_params
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.worker import attention, kv_cache
@@ -61,9 +63,9 @@ def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq):
             jnp.arange(1, pages + 1, dtype=jnp.int32)[None],                    # pages [1, P]
             jnp.asarray([0, chunk], jnp.int32), jnp.int32(1))
     attend = attention.get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
-    hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend,
+    hidden, pool = reference_forward(params, cfg, pool, tokens, positions, slots, attend,
                                         inv_freq)
-    return jax.nn.log_softmax(llama.compute_logits(params, hidden), axis=-1), pool
+    return jax.nn.log_softmax(compute_logits(reference_params(params), hidden), axis=-1), pool
 
 
 @jax.jit
@@ -191,7 +193,7 @@ def main(argv=None) -> dict:
     loaded = {q: load_model(args.model, args.dtype, quantization=q) for q in (None, "int8")}
     cfg = loaded[None].config
     ids = list(loaded[None].tokenizer(Path(args.text).read_text())["input_ids"])
-    models = {q: llama.stack_layers(m.params) for q, m in loaded.items()}
+    models = {q: reference_params(m.params) for q, m in loaded.items()}
     summary, windows, tokens = teacher_forced(models, cfg, jnp.dtype(args.dtype), ids,
                                               args.window, args.chunk)
     report = {"dtype": args.dtype, "window": args.window, "chunk": args.chunk,

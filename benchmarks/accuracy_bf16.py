@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import accuracy
-from jaxbatch.model import llama
+from jaxbatch.worker.model_calls import reference_params
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     loaded = {d: load_model(args.model, d) for d in DTYPES}
     cfg = loaded["float32"].config
     ids = list(loaded["float32"].tokenizer(Path(args.text).read_text())["input_ids"])
-    params = {d: llama.stack_layers(m.params) for d, m in loaded.items()}
+    params = {d: reference_params(m.params) for d, m in loaded.items()}
     report = {"window": args.window, "chunk": args.chunk, "max_tokens": args.max_tokens,
               "teacher_forced": teacher_forced(params, cfg, ids, args.window, args.chunk),
               "jax": jax.__version__, "backend": jax.default_backend()}

@@ -91,7 +91,11 @@ def decode_kernel_timing(jax, jnp, bench, headline, dry, interpret):
 def weight_matmul_timing(jax, jnp, bench, dry):
     """One decode step's worth of Llama-8B MLP matmuls (x [B, 4096] @ [4096, 14336] and back)
     with bf16 weights vs int8 weights (convert fused into the GEMM, scale after the dot)."""
-    from jaxbatch.model.quantize import int8_matmul, quantize_matrix
+    from jaxbatch.model.linear import Int8
+    from jaxbatch.model.quantize import quantize_matrix
+
+    def int8_matmul(x, q):
+        return Int8(q["int8"], q["scale"]).apply(x)
     d, f = (64, 128) if dry else (4096, 14336)
     rows = {}
     for batch in ((4,) if dry else (16, 64)):

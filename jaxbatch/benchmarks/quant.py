@@ -35,7 +35,8 @@ from jaxbatch import SamplingParams
 from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
 from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.model import llama
+from jaxbatch.model.decoder import compute_logits
+from jaxbatch.worker.model_calls import reference_forward, reference_params
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.quantize import quantize_params
 from jaxbatch.model.rope import inverse_frequencies
@@ -102,9 +103,9 @@ def decode_step_ab(params_by_name, cfg, rows, context, reps):
 
     @jax.jit
     def step(params, pool):
-        hidden, pool = llama.forward_hidden(params, cfg, pool, tokens, positions, slots, attend,
+        hidden, pool = reference_forward(params, cfg, pool, tokens, positions, slots, attend,
                                             inv_freq)
-        return llama.compute_logits(params, hidden), pool
+        return compute_logits(reference_params(params), hidden), pool
 
     times = {name: [] for name in params_by_name}
     for name, params in params_by_name.items():

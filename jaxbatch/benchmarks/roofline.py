@@ -92,12 +92,11 @@ def gemm_peak(dtype="bfloat16", n: int = 2048) -> float:
 
 def model_bytes(params) -> int:
     """The weight bytes a decode step reads: every leaf, except a tied embedding table beside
-    its head's packed copy (`model/storage.py`): the step gathers a few rows of the table and
-    reads the copy whole."""
+    its head's packed copy (`tied_head`, `worker/weight_forms.py`): the step gathers a few rows
+    of the table and reads the copy whole."""
     import jax
 
-    from jaxbatch.model import precision
-    skip = "embed" if precision.TIED_HEAD in params else None
+    skip = "embed" if "tied_head" in params else None
     return sum(x.nbytes for key, value in params.items() if key != skip
                for x in jax.tree.leaves(value))
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxbatch.model.decoder import compute_logits, forward_hidden, padding_start
+from jaxbatch.model.decoder import compute_logits, forward_hidden, padding_start, stack_layers
 from jaxbatch.model.inputs import KVPool, TokenInputs
+from jaxbatch.model.kernels import JNP_KERNELS
 from jaxbatch.model.layers import unsharded
-from jaxbatch.worker import attention, sampler
+from jaxbatch.worker import attention, sampler, weight_forms
 from jaxbatch.worker.inputs import DecodeInputs, PrefillInputs
 
 
@@ -79,3 +80,17 @@ def mixed_forward(params, pool: KVPool, inputs: tuple[DecodeInputs, PrefillInput
 def prompt_logprobs_step(params, hidden, targets, *, cfg=None):
     logits = compute_logits(params, hidden, cfg)                               # [T, V]
     return sampler.prompt_logprobs(logits, targets)
+
+
+def reference_forward(params, cfg, pool, tokens, positions, slot_mapping, attend, inv_freq):
+    """The forward over plain params (a loader's, or `stack_layers`') with the plain-jnp
+    kernels and matrices as they are: for tools that drive the model directly (accuracy
+    measurements). -> (final hidden [T, d], pool)."""
+    typed = reference_params(params)
+    return forward_hidden(typed, KVPool(*pool), TokenInputs(tokens, positions, slot_mapping),
+                          cfg=cfg, kernels=JNP_KERNELS, attend=attend, inv_freq=inv_freq)
+
+
+def reference_params(params):
+    """Plain params as `reference_forward` and `compute_logits` read them (idempotent)."""
+    return weight_forms.prepare(stack_layers(params), weight_forms.WeightForm(per_layer=True))

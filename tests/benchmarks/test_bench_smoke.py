@@ -404,11 +404,12 @@ def test_roofline_counts_a_tied_head_once():
     import numpy as np
 
     from jaxbatch.benchmarks import roofline
-    from jaxbatch.model import precision
+    from jaxbatch.model.linear import OutIn, PerLayer
+    from jaxbatch.worker.weight_forms import Packed
     embed, layer = np.zeros((64, 16), np.float32), np.zeros((16, 16), np.float32)
-    tied = {"embed": embed, "layers": {"wo": ({precision.OUT_IN: layer},)}}
+    tied = {"embed": embed, "layers": {"wo": PerLayer((OutIn(layer),))}}
     assert roofline.model_bytes(tied) == embed.nbytes + layer.nbytes
-    packed = {**tied, precision.TIED_HEAD: {precision.PACKED: embed.T.copy()}}
+    packed = {**tied, "tied_head": Packed(embed.T.copy())}
     assert roofline.model_bytes(packed) == embed.nbytes + layer.nbytes
 
 

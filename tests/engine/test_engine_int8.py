@@ -147,18 +147,18 @@ def test_serve_flags_reach_the_engine_kwargs():
 
 
 def test_int8_weights_in_the_per_layer_layout_give_the_stacked_tokens(monkeypatch):
-    """JAXBATCH_WEIGHT_LAYOUT=per_layer keeps each layer's int8 matrix apart (a lax.switch
-    picks it); the tokens must not depend on the layout."""
+    """weight_layout="per_layer" keeps each layer's int8 matrix apart (a lax.switch picks
+    it); the tokens must not depend on the layout."""
+    from jaxbatch.model.linear import PerLayer
     model = make_hf_model("llama_untied_gqa2", seed=11)
     tokens = {}
     for layout in ("stacked", "per_layer"):
-        monkeypatch.setenv("JAXBATCH_WEIGHT_LAYOUT", layout)
         cfg, params = ours_from_hf(model)           # per-layer dicts: stacked by the engine
         loaded = LoadedModel(cfg, params, tokenizer=None, source="tiny", load_seconds=0.0,
                              from_cache=False)
-        engine = _engine(loaded, quantization="int8")
+        engine = _engine(loaded, quantization="int8", weight_layout=layout)
         wq = engine.runner.params["layers"]["wq"]
-        assert isinstance(wq, tuple) == (layout == "per_layer")
+        assert isinstance(wq, PerLayer) == (layout == "per_layer")
         tokens[layout] = _tokens(engine)
     assert tokens["stacked"] == tokens["per_layer"]
 

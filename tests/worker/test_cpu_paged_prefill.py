@@ -124,8 +124,7 @@ def test_the_engine_prefills_with_the_kernel_and_agrees_with_the_jnp_path(monkey
     for kind in ("prefill", "mixed"):      # a bf16 model: the bf16-out handler
         assert f'"{paged_prefill.BF16_OUT_TARGET}"' in _compiled_text(with_kernel, kind), kind
     outs = run_all(with_kernel, prompts, params)
-    monkeypatch.setenv("JAXBATCH_CPU_KERNELS", "0")       # read while a step is traced
-    plain = tiny_engine_in(jnp.bfloat16)
+    plain = tiny_engine_in(jnp.bfloat16, cpu_kernels="off")
     assert "cpu_kernels='off'" in plain.stats()["prefill_attention"]
     assert all(f'"{t}"' not in _compiled_text(plain, "prefill") for t in paged_prefill.TARGETS)
     agree = tokens_agreeing(outs, run_all(plain, prompts, params), logprob_tol=0.05)
