@@ -58,7 +58,7 @@ class LoRARunner(ModelRunner):
         key, only if some row uses an adapter."""
         if key[0] not in MODEL_CALLS:
             return super()._run(key, args)
-        if np.any(args[-1]["slots"]):
+        if np.any(args[-1].slots):
             return super()._run((key[0] + LORA,) + key[1:], args)
         return super()._run(key, args[:-1])
 

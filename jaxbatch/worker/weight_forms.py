@@ -262,6 +262,12 @@ def matrix_shapes(params: dict) -> dict[str, tuple[int, int]]:
     fused matrix under their own names."""
     layers = params["layers"]
     shapes = {name: v.in_out for name, v in layers.items() if isinstance(v, Linear)}
+    for name, value in layers.items():           # plain params (a loader's)
+        first = value[0] if isinstance(value, tuple) else value
+        first = first["int8"] if isinstance(first, dict) else first
+        if not isinstance(value, Linear) and getattr(first, "ndim", 0) == (
+                2 if isinstance(value, tuple) else 3):
+            shapes[name] = tuple(first.shape[-2:])
     for name, parts in FUSED.items():
         if name in shapes:
             fan_in, total = shapes.pop(name)
