@@ -27,7 +27,8 @@ call_log.h (its memory in call_log.py) each call's kernel, sizes and times while
 records them, in an instrumented build only; checks.h what every handler checks before it
 runs; handout.py how that memory of ours reaches each library.
 
-No environment variable is read here: the engine says how they are used, from its config.
+No switch is read from the environment (only the toolchain, CXX, and the cache's place,
+build.py): the engine says how the kernels are used, from its config.
 
     configure(mode="auto", kv_prefetch=True)
                            mode "auto": each kernel runs where it can, else the jnp path

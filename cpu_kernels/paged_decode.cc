@@ -29,6 +29,11 @@
 // publishes the pages its rows will read at the next layer (attribute
 // `next_layer_blocks`: how far on that layer's blocks lie in the folded pool), for the GEMMs
 // in between to request into cache (kv_prefetch.h).
+//
+// Before any of that a call checks its operands (Check, checks.h): shapes, the work list's
+// order and first positions, each row's coverage of its length, every page it reads within
+// the pool; anything else is an InvalidArgument error, raised in Python, never a read of
+// another row's pages or past the pool.
 #include <immintrin.h>
 
 #include <algorithm>

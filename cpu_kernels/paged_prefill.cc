@@ -21,7 +21,9 @@
 // A row's result depends on its own keys and on the rows of its block (tokens of the same
 // chunk, whatever else the call holds), so a request's result does not depend on the batch.
 // Units are claimed through an atomic counter by the calling thread and helpers on XLA's
-// intra-op thread pool, the last tiles (the longest contexts) first.
+// intra-op thread pool, the last tiles (the longest contexts) first. A call first checks its
+// operands (Check, checks.h): shapes, positions, every key a token sees inside its tile's
+// table and every page of it inside the pool; anything else is an InvalidArgument error.
 #include <immintrin.h>
 
 #include <algorithm>
