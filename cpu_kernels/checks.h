@@ -45,4 +45,30 @@ bool SameDims(const A& a, const B& b) {
   return true;
 }
 
+// The heads an attention kernel reads: q [rows, H, D] and out alike, k and v pages
+// [KVH, N, bs, D] alike, KVH, bs and D positive, H a whole group of at most `max_group` per kv
+// head, D at most `max_head_dim` (and even where `even_head_dim`: bf16 keys in dim pairs).
+template <typename Q, typename K, typename V, typename O>
+ffi::Error AttentionHeads(const char* kernel, const Q& qd, const K& kd, const V& vd,
+                          const O& od, int64_t max_group, int64_t max_head_dim,
+                          bool even_head_dim) {
+  if (!SameDims(vd, kd))
+    return Invalid(kernel, "v_pages ", Shape(vd), " differs from k_pages ", Shape(kd));
+  if (!SameDims(od, qd))
+    return Invalid(kernel, "out ", Shape(od), " differs from q ", Shape(qd));
+  const int64_t H = qd[1], D = qd[2], KVH = kd[0], bs = kd[2];
+  if (KVH < 1 || bs < 1 || D < 1)
+    return Invalid(kernel, "k_pages ", Shape(kd), ": kv heads, block size and head dim must be "
+                   "positive, q ", Shape(qd));
+  if (kd[3] != D)
+    return Invalid(kernel, "q ", Shape(qd), " and k_pages ", Shape(kd), " differ in head dim");
+  if (H < KVH || H % KVH != 0 || H / KVH > max_group)
+    return Invalid(kernel, H, " query heads over ", KVH, " kv heads: a whole group of at most ",
+                   max_group, " expected");
+  if (D > max_head_dim || (even_head_dim && D % 2))
+    return Invalid(kernel, "head dim ", D, ": at most ", max_head_dim,
+                   even_head_dim ? ", even for bf16 pages" : "");
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxbatch_checks

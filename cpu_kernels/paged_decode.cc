@@ -322,22 +322,12 @@ ffi::Error Check(Problem<T>& p, const Q& q, const Pool& k, const Pool& v, const 
   using jaxbatch_checks::Shape;
   constexpr const char* kName = "paged_decode";
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!jaxbatch_checks::SameDims(v.dimensions(), kd))
-    return Invalid(kName, "v_pages ", Shape(v.dimensions()), " differs from k_pages ", Shape(kd));
-  if (!jaxbatch_checks::SameDims(out->dimensions(), qd))
-    return Invalid(kName, "out ", Shape(out->dimensions()), " differs from q ", Shape(qd));
+  if (auto error = jaxbatch_checks::AttentionHeads(kName, qd, kd, v.dimensions(),
+                                                   out->dimensions(), kMaxGroup, kMaxHeadDim,
+                                                   std::is_same_v<T, uint16_t>);
+      error.failure())
+    return error;
   const int64_t B = qd[0], H = qd[1], D = qd[2], KVH = kd[0], N = kd[1], bs = kd[2];
-  if (KVH < 1 || bs < 1 || D < 1)
-    return Invalid(kName, "k_pages ", Shape(kd), ": kv heads, block size and head dim must be "
-                   "positive, q ", Shape(qd));
-  if (kd[3] != D)
-    return Invalid(kName, "q ", Shape(qd), " and k_pages ", Shape(kd), " differ in head dim");
-  if (H < KVH || H % KVH != 0 || H / KVH > kMaxGroup)
-    return Invalid(kName, H, " query heads over ", KVH, " kv heads: a whole group of at most ",
-                   kMaxGroup, " expected");
-  if (D > kMaxHeadDim || (std::is_same_v<T, uint16_t> && D % 2))   // bf16 keys in dim pairs
-    return Invalid(kName, "head dim ", D, ": at most ", kMaxHeadDim,
-                   std::is_same_v<T, uint16_t> ? ", even for bf16 pages" : "");
   if (lengths.dimensions()[0] != B)
     return Invalid(kName, "lengths ", Shape(lengths.dimensions()), " for ", B, " rows");
   if (window.element_count() != 1 || scale.element_count() != 1)

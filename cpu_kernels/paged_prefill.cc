@@ -290,21 +290,12 @@ ffi::Error Check(const Bf16Q& q, const Bf16Pool& k, const Bf16Pool& v, const I32
   using jaxbatch_checks::Shape;
   constexpr const char* kName = "paged_prefill";
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tile_pages.dimensions();
-  if (!jaxbatch_checks::SameDims(v.dimensions(), kd))
-    return Invalid(kName, "v_pages ", Shape(v.dimensions()), " differs from k_pages ", Shape(kd));
-  if (!jaxbatch_checks::SameDims(out->dimensions(), qd))
-    return Invalid(kName, "out ", Shape(out->dimensions()), " differs from q ", Shape(qd));
+  if (auto error = jaxbatch_checks::AttentionHeads(kName, qd, kd, v.dimensions(),
+                                                   out->dimensions(), kMaxGroup, kMaxHeadDim,
+                                                   true);
+      error.failure())
+    return error;
   const int64_t T = qd[0], H = qd[1], D = qd[2], KVH = kd[0], N = kd[1], bs = kd[2];
-  if (KVH < 1 || bs < 1 || D < 1)
-    return Invalid(kName, "k_pages ", Shape(kd), ": kv heads, block size and head dim must be "
-                   "positive, q ", Shape(qd));
-  if (kd[3] != D)
-    return Invalid(kName, "q ", Shape(qd), " and k_pages ", Shape(kd), " differ in head dim");
-  if (H < KVH || H % KVH != 0 || H / KVH > kMaxGroup)
-    return Invalid(kName, H, " query heads over ", KVH, " kv heads: a whole group of at most ",
-                   kMaxGroup, " expected");
-  if (D > kMaxHeadDim || D % 2)
-    return Invalid(kName, "head dim ", D, ": at most ", kMaxHeadDim, ", even");
   if (query_pos.dimensions()[0] != T)
     return Invalid(kName, "query_pos ", Shape(query_pos.dimensions()), " for ", T, " tokens");
   if (window.element_count() != 1 || scale.element_count() != 1)
