@@ -33,7 +33,7 @@ import numpy as np
 from benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
-from jaxbatch.worker.runner import MODEL_CALLS     # the runner's model-call kinds
+from jaxbatch.worker.executable_keys import MODEL_CALLS     # the runner's model-call kinds
 
 # "%name = shape fusion(" or "%name = shape op(" in an HLO text
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(")

@@ -59,7 +59,8 @@ class SamplingRow:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdapterLoad:
-    """"Write this adapter's host weights into device slot `slot`" (slot 0 is no adapter)."""
+    """A plan's order to the runner: write these host weights into device slot `slot` (slot 0
+    is no adapter, never loaded)."""
     slot: int
     weights: object                  # jaxbatch.lora.adapter.LoRAWeights (host numpy)
 

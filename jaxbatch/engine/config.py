@@ -185,8 +185,30 @@ class EngineConfig:
     def __post_init__(self):
         for name, value in self.as_kwargs().items():
             _check(name, value, OPTIONS[name])
+        _check_tensor_parallel(self)
         _check_lora(self)
         SpeculativeConfig.from_dict(self.speculative.speculative_config)   # raises if invalid
+
+    # ---- cross-feature checks: every one here, so a refused combination fails before
+    # anything loads ----------------------------------------------------------------------------
+    def check_engine_args(self, *, runner=None, devices=None) -> None:
+        """What `LLMEngine(runner=, devices=)` adds to the options, checked before loading:
+        `devices` splits the model over them (tensor parallelism, even over one); `runner`
+        reuses another engine's runner, which a LoRA engine needs built with LoRA."""
+        if devices is not None:
+            _check_tensor_parallel(self, "devices=")
+            if self.lora.enable_lora:
+                raise ValueError("enable_lora=True is not supported with devices= "
+                                 "(tensor parallelism)")
+        if runner is not None and self.lora.enable_lora and not hasattr(runner, "lora_pool"):
+            raise ValueError("enable_lora=True cannot reuse a runner= built without it")
+
+    @property
+    def uses_lowered_store(self) -> bool:
+        """Lowered step functions kept between starts (worker/lowered_store.py): with the
+        compilation cache, not for LoRA engines (stored lowerings are keyed without the LoRA
+        inputs)."""
+        return self.runtime.compilation_cache and not self.lora.enable_lora
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -226,6 +248,16 @@ def _check(name: str, value, field: dataclasses.Field) -> None:
                              f"{'>= 0' if name in NON_NEGATIVE else 'a positive integer'}")
     if field.type == "bool" and not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _check_tensor_parallel(config: "EngineConfig", how: str | None = None) -> None:
+    """Tensor parallelism (`how`: what asks for it; None: tensor_parallel_size > 1) splits float
+    weights and a float cache only."""
+    if how is None and config.parallel.tensor_parallel_size == 1:
+        return
+    if config.cache.kv_cache_dtype != "auto" or config.model.quantization == "int8":
+        raise ValueError(f"{how or 'tensor_parallel_size > 1'} with an int8 KV cache or int8 "
+                         "weights is not supported yet")
 
 
 def _check_lora(config: "EngineConfig") -> None:

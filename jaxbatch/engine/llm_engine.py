@@ -53,7 +53,8 @@ class LLMEngine(EngineBase):
         `devices`: the devices tensor parallelism splits over (default: jax's, every
         process's). Replicas (`data_parallel_size`) and several processes (`num_processes`)
         are other engines: `jaxbatch.engine.build.build_engine` (or `LLM`) makes them."""
-        config = EngineConfig.from_kwargs(model=model, **options)
+        config = EngineConfig.from_kwargs(model=model, **options)   # checks every combination
+        config.check_engine_args(runner=runner, devices=devices)   # ... and these, before loading
         par = config.parallel
         if par.data_parallel_size != 1 or par.num_processes != 1:
             raise ValueError("data_parallel_size / num_processes above 1 make another kind of "

@@ -130,7 +130,7 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
         extra = dict(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
     runner = runner_class(loaded.config, loaded.params, sched, loaded.params["embed"].dtype,
                           rt.attention_backend, config.cache.kv_cache_dtype, tensor_parallel=tp,
-                          lowered_dir=compile_cache.lowered_dir() if rt.compilation_cache else None,
+                          lowered_dir=compile_cache.lowered_dir() if config.uses_lowered_store else None,
                           unified_step=rt.unified_step, kernel_options=kernel_options(config),
                           **extra)
     if loaded.private and tp is None:
@@ -146,14 +146,12 @@ def kernel_options(config: EngineConfig) -> KernelOptions:
 
 
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):
-    """LoRA engines: the adapter manager, wired as the scheduler's admission seam and the
-    runner's per-row slots; None without enable_lora."""
+    """LoRA engines: the adapter manager, wired as the scheduler's admission seam (its loads
+    and slots reach the runner in the plans); None without enable_lora."""
     if not config.lora.enable_lora:
         return None
-    from jaxbatch.lora.runner import LoRARunner
     from jaxbatch.lora.setup import make_manager
-    if not isinstance(runner, LoRARunner):
-        raise ValueError("enable_lora=True cannot reuse a runner= built without it")
+    # (A runner= without LoRA was refused before loading: EngineConfig.check_engine_args.)
     manager = make_manager(runner, config.lora.max_cpu_loras)
     scheduler.admission = manager
     return manager

@@ -19,6 +19,8 @@ from typing import Callable
 
 import jax
 
+from jaxbatch.worker.executable_keys import ModelCallKey, SampleKey, as_key
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,25 +29,28 @@ class Executables:
         self.functions = functions
         self.store = store
         self.tp = tensor_parallel
-        self.compiled: dict[tuple, object] = {}
+        self.compiled: dict[ModelCallKey | SampleKey, object] = {}
         self.compile_seconds = 0.0
         # Set by `warmup`: from then on a compilation means a shape the buckets missed.
         self.warmed_up = False
         self.warmup_report: dict = {}
-        self.compilations_after_warmup: list[tuple] = []
+        self.compilations_after_warmup: list[ModelCallKey | SampleKey] = []
 
     def __len__(self) -> int:
         return len(self.compiled)
 
-    def lower(self, key: tuple, args):
-        fn, donate, num_outputs = self.functions[key[0]]
+    def lower(self, key, args):
+        """`key`: a key record (or its tuple form); its kind picks the function (a LoRA
+        variant is the same function, given the adapter pool among `args`)."""
+        key = as_key(key)
+        fn, donate, num_outputs = self.functions[key.kind]
         donate_argnums = () if donate is None else (donate,)
         if self.store is not None:
             # The function variant is part of the stored key: a sampled draft's "sample" is
             # sample_with_probs, with other outputs under the same kind.
             variant = tuple(getattr(a, "__name__", "") for a in getattr(fn, "args", ()))
             try:
-                return self.store.lower(key + variant, fn, donate_argnums, args)
+                return self.store.lower(key.as_tuple() + variant, fn, donate_argnums, args)
             except Exception:               # noqa: BLE001 - what export refuses, jit may not
                 logger.warning("lowering %s from jax.export failed; storing no lowered steps",
                                key, exc_info=True)
@@ -53,7 +58,7 @@ class Executables:
         shardings = {} if self.tp is None else self.tp.jit_shardings(args, donate, num_outputs)
         return jax.jit(fn, donate_argnums=donate_argnums, **shardings).lower(*args)
 
-    def run(self, key: tuple, args):
+    def run(self, key: ModelCallKey | SampleKey, args):
         exe = self.compiled.get(key)
         if exe is None:
             if self.warmed_up:
@@ -67,9 +72,9 @@ class Executables:
             args = self.tp.to_mesh(args)
         return exe(*args)
 
-    def warmup(self, keys: list[tuple], example_args: Callable[[tuple], tuple],
+    def warmup(self, keys: list, example_args: Callable[[object], tuple],
                max_workers: int | None = None,
-               run_once: Callable[[tuple], None] | None = None) -> float:
+               run_once: Callable[[object], None] | None = None) -> float:
         """Makes every key executable: lowered one by one on this thread
         (tracing holds the GIL; a stored lowering is read instead), each compiled on a thread
         per core as soon as it is lowered (XLA compiles with the GIL released; with the

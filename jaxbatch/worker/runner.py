@@ -13,9 +13,11 @@ Each engine step dispatches, without reading anything back in between:
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
   verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
                     of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
-Every key is compiled once (`num_compilations`); `warmup` compiles all of them up front
-(`compilation.py`, which the runner feeds with its functions, keys and example arguments); a
-compilation after warm-up is logged and counted as a bug (`compilations_after_warmup`).
+Keys are records (`executable_keys.py`: `ModelCallKey`, `SampleKey`; written above in their
+tuple form). Every key is compiled once (`num_compilations`); `warmup` compiles all of them
+up front (`compilation.py`, which the runner feeds with its functions, keys and example
+arguments); a compilation after warm-up is logged and counted as a bug
+(`compilations_after_warmup`).
 """
 from __future__ import annotations
 
@@ -38,14 +40,13 @@ from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.layers import unsharded
-from jaxbatch.model.quantize import params_are_quantized
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
 from jaxbatch.worker.dispatched import DispatchedStep, ForwardedPart, ForwardedStep
+from jaxbatch.worker.executable_keys import ModelCallKey, SampleKey, as_key
 from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
 logger = logging.getLogger(__name__)
-MODEL_CALLS = ("decode", "prefill", "mixed")
 
 
 def _sample_and_keep(sample_fn, logits, sampling_arrays, kept_tokens, token_slots, *extra):
@@ -70,9 +71,6 @@ class ModelRunner:
         decode rows and prefill tokens share one model call where the backend allows it
         (`step_inputs.StepLayout`). `kernel_options`: the engine's kernel options
         (`worker/kernels.py`, which chooses every kernel once, here)."""
-        if tensor_parallel is not None and (kv_cache_dtype != "auto" or _has_int8(params)):
-            raise ValueError("tensor_parallel_size > 1 with an int8 KV cache or int8 weights "
-                             "is not supported yet")
         self.tp = tensor_parallel
         self.cfg = sched_cfg
         self.backend = attention.resolve_backend(attention_backend)
@@ -142,9 +140,9 @@ class ModelRunner:
     warmup_report = property(lambda self: self.executables.warmup_report)
     compilations_after_warmup = property(lambda self: self.executables.compilations_after_warmup)
 
-    def bucket_shapes(self) -> list[tuple]:
+    def bucket_shapes(self) -> list[ModelCallKey | SampleKey]:
         """Every key the scheduler can make this runner execute."""
-        return self.layout.executable_keys() + [("verify_sample", n) for n in
+        return self.layout.executable_keys() + [SampleKey("verify_sample", n) for n in
                                                 self.layout.decode_row_buckets() if n <= self.verify_rows]
 
     def enable_verify_sampling(self, max_rows: int) -> bool:
@@ -170,7 +168,7 @@ class ModelRunner:
         self.kept_probs = {}
 
     # ---- executables ---------------------------------------------------------------------
-    def _run(self, key: tuple, args):
+    def _run(self, key: ModelCallKey | SampleKey, args):
         """Every executable the runner runs goes through here."""
         if not self.executable_observers:
             return self.executables.run(key, args)
@@ -194,12 +192,14 @@ class ModelRunner:
         return sampler.build_sampling_arrays(rows, self.cfg.max_model_len, self._unused_history[n],
                                              bitmask, self._unused_bitmask[n])
 
-    def example_args(self, key: tuple):
-        """Arguments of the right shapes for `key`, for lowering at warm-up."""
-        kind = key[0]
-        if self.is_model_call(key):
-            return self._model_args(key, self.layout.placeholder_call(*key).args)
-        vocab, n = self.model_cfg.vocab_size, key[1]
+    def example_args(self, key):
+        """Arguments of the right shapes for `key` (a key record, or its tuple form), for
+        lowering at warm-up."""
+        key = as_key(key)
+        kind = key.kind
+        if isinstance(key, ModelCallKey):
+            return self._model_args(key, self.layout.placeholder_call(kind, *key.sizes).args)
+        vocab, n = self.model_cfg.vocab_size, key.rows
         if kind == "sample":
             return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
                     self.kept_tokens, np.zeros(n, np.int32))
@@ -211,11 +211,13 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
-    def _model_args(self, key: tuple, call_args: tuple, call: ModelCall | None = None) -> tuple:
+    def _model_args(self, key: ModelCallKey, call_args: tuple,
+                    call: ModelCall | None = None) -> tuple:
         # `call` (None at warm-up): for subclasses adding per-row inputs (jaxbatch/lora/runner.py).
-        if key[0] == "decode":
+        kind = as_key(key).kind
+        if kind == "decode":
             inputs = DecodeInputs.of(self.kept_tokens, call_args)
-        elif key[0] == "mixed":
+        elif kind == "mixed":
             inputs = (DecodeInputs.of(self.kept_tokens, call_args[:DECODE_ARGS]),
                       PrefillInputs.of(call_args[DECODE_ARGS:]))
         else:
@@ -250,7 +252,7 @@ class ModelRunner:
         if call.parts is not None:          # (decode logits, prefill logits, prefill hidden)
             decode, prefill = call.parts
             return [ForwardedPart(decode, out[0], None), ForwardedPart(prefill, out[1], out[2])]
-        return [ForwardedPart(call, out[0], out[1] if call.key[0] == "prefill" else None)]
+        return [ForwardedPart(call, out[0], out[1] if call.key.kind == "prefill" else None)]
 
     def dispatch_sampling(self, step: ForwardedStep, masks: list | None = None) -> DispatchedStep:
         """Samples every part of a forwarded step (and its prompt logprobs). `masks`: per part
@@ -266,10 +268,11 @@ class ModelRunner:
         arrays = self._sampling_arrays(call.rows, bitmask)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
-            (kind, len(call.rows)), (logits, arrays, self.kept_tokens, call.token_slots) + verify)
+            SampleKey(kind, len(call.rows)),
+            (logits, arrays, self.kept_tokens, call.token_slots) + verify)
         prompt_lp = None
         if call.want_prompt_logprobs:
-            prompt_lp = self._run(("prompt_logprobs", call.key[1]),
+            prompt_lp = self._run(SampleKey("prompt_logprobs", call.key.tokens),
                                   (self.params, hidden, call.targets))
         if self.tp is not None:
             sampled, prompt_lp = self.tp.to_host((sampled, prompt_lp))
@@ -297,7 +300,7 @@ class ModelRunner:
             top_ids = top_lp = None
             if any(r is not None and r.logprobs for r in call.rows):
                 top_ids, top_lp = np.asarray(sampled[2]), np.asarray(sampled[3])
-            if call.key[0] == "decode":
+            if call.key.kind == "decode":
                 for i, (seq_id, j) in enumerate(call.decode_rows):
                     token = _sampled(i, tokens, logprob, top_ids, top_lp,
                                      plan.sampling[seq_id].logprobs)
@@ -335,10 +338,10 @@ class ModelRunner:
         return self.executables.warmup(self.bucket_shapes(), self.example_args, max_workers,
                                        self.run_placeholder if run else None)
 
-    def is_model_call(self, key: tuple) -> bool:
-        return key[0] in MODEL_CALLS
+    def is_model_call(self, key) -> bool:
+        return isinstance(as_key(key), ModelCallKey)
 
-    def run_placeholder(self, key: tuple) -> None:
+    def run_placeholder(self, key: ModelCallKey | SampleKey) -> None:
         """Runs a model call's executable once on `StepLayout.placeholder_call`'s inputs, which
         write only into the null blocks and attend to nothing, and waits for it. The sampling
         and prompt-logprob executables are not run: at most one library dot each (the LM
@@ -349,9 +352,6 @@ class ModelRunner:
         self.pool = out[-1]
         jax.block_until_ready(out)
 
-
-def _has_int8(params) -> bool:
-    return params_are_quantized(params)
 
 
 def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:

@@ -35,6 +35,7 @@ import numpy as np
 from jaxbatch.core.config import SchedulerConfig, next_power_of_two
 from jaxbatch.core.plan import PENDING_TOKEN, PrefillChunk, SamplingRow, StepPlan, pad_block_table
 from jaxbatch.worker.attention.base import AttentionBackend
+from jaxbatch.worker.executable_keys import ModelCallKey, SampleKey
 from pallas_kernels.xla_paged_attention import PAGES_PER_ITEM
 
 MIN_PREFILL_BUCKET = 16
@@ -53,9 +54,9 @@ MIN_PREFILL_CONTEXT = 64
 class ModelCall:
     """One model call: its bucket key, its step inputs (params and pool are added at dispatch),
     the sampling row of each sampled row, and, for prefill, where each chunk sits."""
-    # ("decode", rows, items or pages) | ("prefill", tokens, pages)
-    # | ("mixed", rows, items or pages, tokens, pages): a decode key's sizes, then a prefill key's
-    key: tuple
+    # decode (rows, items or pages) | prefill (tokens, pages) | mixed: a decode key's sizes,
+    # then a prefill key's
+    key: ModelCallKey
     args: tuple
     rows: list[SamplingRow | None]
     chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
@@ -148,27 +149,28 @@ class StepLayout:
             t *= 2
         return out
 
-    def bucket_shapes(self) -> list[tuple]:
+    def bucket_shapes(self) -> list[ModelCallKey]:
         """Every model-call shape the scheduler can produce with these settings, whatever the
         requests ask for (penalties and logprobs are runtime branches, not shapes)."""
         shapes = []
         for rows in self.decode_row_buckets():
-            shapes += [("decode", rows, size) for size in self.backend.decode_sizes(self, rows)]
+            shapes += [ModelCallKey.decode(rows, size)
+                       for size in self.backend.decode_sizes(self, rows)]
         for t in self.prefill_token_buckets():
-            shapes += [("prefill", t, p) for p in self.backend.prefill_sizes(self, t)]
+            shapes += [ModelCallKey.prefill(t, p) for p in self.backend.prefill_sizes(self, t)]
         if self.unified:
             rows = self.decode_row_buckets()[-1]
-            decodes = [k for k in shapes if k[0] == "decode" and k[1] == rows]
-            prefills = [k for k in shapes if k[0] == "prefill"]
-            shapes += [("mixed",) + d[1:] + p[1:] for d in decodes for p in prefills]
+            decodes = [k for k in shapes if k.kind == "decode" and k.rows == rows]
+            prefills = [k for k in shapes if k.kind == "prefill"]
+            shapes += [ModelCallKey.mixed(d, p) for d in decodes for p in prefills]
         return shapes
 
-    def executable_keys(self) -> list[tuple]:
+    def executable_keys(self) -> list[ModelCallKey | SampleKey]:
         """The model calls' shapes, then the sampler's ("sample", rows: a decode row bucket or
         a prefill call's `chunks_per_call`) and ("prompt_logprobs", prefill tokens)."""
         sample_rows = sorted(set(self.decode_row_buckets()) | {self.chunks_per_call})
-        return (self.bucket_shapes() + [("sample", n) for n in sample_rows]
-                + [("prompt_logprobs", t) for t in self.prefill_token_buckets()])
+        return (self.bucket_shapes() + [SampleKey("sample", n) for n in sample_rows]
+                + [SampleKey("prompt_logprobs", t) for t in self.prefill_token_buckets()])
 
     # ---- decode --------------------------------------------------------------------------
     def decode_call(self, plan: StepPlan) -> ModelCall:
@@ -204,7 +206,7 @@ class StepLayout:
             lengths[i] = position + 1
             rows[i] = row
         meta, size = self.backend.decode_metadata(self, entries, b, lengths)
-        return ModelCall(("decode", b, size), (tokens, token_src, positions, slot_mapping, meta),
+        return ModelCall(ModelCallKey.decode(b, size), (tokens, token_src, positions, slot_mapping, meta),
                          rows, decode_rows=[(e[0], e[1]) for e in entries],
                          token_slots=token_slots, verify=verify_inputs(plan.decodes, b))
 
@@ -259,7 +261,7 @@ class StepLayout:
                 rows[i] = plan.sampling[chunk.seq_id]
                 token_slots[i] = chunk.slot
         meta = self.backend.prefill_metadata(chunks, q_starts, tables, query_pos, t, pages)
-        return ModelCall(("prefill", t, pages), (tokens, positions, slot_mapping, meta, sample_index),
+        return ModelCall(ModelCallKey.prefill(t, pages), (tokens, positions, slot_mapping, meta, sample_index),
                          rows, chunks=list(chunks), q_starts=q_starts, targets=targets,
                          want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks),
                          token_slots=token_slots)
@@ -274,14 +276,14 @@ class StepLayout:
         if not plan.decodes:
             return calls
         decode = self.decode_call(plan)
-        if self.unified and calls and decode.key[1] == self.decode_row_buckets()[-1]:
+        if self.unified and calls and decode.key.rows == self.decode_row_buckets()[-1]:
             return [self.mixed_call(decode, calls[0])] + calls[1:]
         return calls + [decode]
 
     @staticmethod
     def mixed_call(decode: ModelCall, prefill: ModelCall) -> ModelCall:
         """One call computing both: the decode call's inputs, then the prefill call's."""
-        return ModelCall(("mixed",) + decode.key[1:] + prefill.key[1:], decode.args + prefill.args,
+        return ModelCall(ModelCallKey.mixed(decode.key, prefill.key), decode.args + prefill.args,
                          rows=[], parts=(decode, prefill))
 
     # ---- warm-up -------------------------------------------------------------------------
@@ -295,12 +297,12 @@ class StepLayout:
             rows, size = a, b                          # size: work items (xla) or pages
             zeros, nowhere = np.zeros(rows, np.int32), np.full(rows, self.cfg.max_num_seqs, np.int32)
             meta = self.backend.placeholder_decode_metadata(rows, size)
-            return ModelCall((kind, rows, size), (zeros, zeros - 1, zeros, zeros, meta),
+            return ModelCall(ModelCallKey.decode(rows, size), (zeros, zeros - 1, zeros, zeros, meta),
                              [None] * rows, token_slots=nowhere)
         tokens, pages = a, b
         s, zeros = self.chunks_per_call, np.zeros(tokens, np.int32)
         meta = self.backend.placeholder_prefill_metadata(tokens, pages, s)
-        return ModelCall((kind, tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
+        return ModelCall(ModelCallKey.prefill(tokens, pages), (zeros, zeros, zeros, meta, np.zeros(s, np.int32)),
                          [None] * s, targets=np.full(tokens, -1, np.int32),
                          token_slots=np.full(s, self.cfg.max_num_seqs, np.int32))
 
