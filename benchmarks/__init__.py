@@ -33,6 +33,8 @@ INSTRUMENTS = {
     "detok": ("detok", "host cost of detokenization and stop strings per token"),
     "structured-mask-cost": ("structured_mask_cost", "host cost of grammar masks per step"),
     "families": ("families", "what a family's own layers cost: random Llama, Qwen3, Gemma 3"),
+    "lora-delta": ("lora_delta", "the LoRA batch delta's one-hot and gathered forms"),
+    "quant-step": ("quant_step", "one decode step, float32 against int8 weights, no engine"),
     "accuracy": ("accuracy", "what int8 costs in accuracy: top-1, KL, perplexity"),
     "accuracy-bf16": ("accuracy_bf16", "bf16 against float32: top-1, KL, perplexity ratio"),
     "hostile": ("hostile", "hostile clients against a server (a robustness tool)"),

@@ -40,17 +40,20 @@ def long_prompt_ids(embedded):
 
 
 # --- the short loop: `pytest -m "not slow and not e2e"` ------------------------------------------
-# pyproject.toml's `e2e_paths` names the files and folders whose tests run engines end to end
-# (servers, multi-device engines, the benchmarks' dry runs); their tests get the `e2e` marker,
-# so the selection lives in one list, not in every file.
+# pyproject.toml's `e2e_paths` names the files, folders and single tests (file::name) that run
+# engines end to end (servers, multi-device engines, the benchmarks' runs, the longest model
+# comparisons); their tests get the `e2e` marker, so the selection lives in one list.
 
 def pytest_addoption(parser):
-    parser.addini("e2e_paths", "test files or folders marked e2e (left out of the short loop)",
-                  type="linelist", default=[])
+    parser.addini("e2e_paths", "test files, folders or file::test names marked e2e (left out "
+                  "of the short loop)", type="linelist", default=[])
 
 
 def pytest_collection_modifyitems(config, items):
-    paths = [config.rootpath / p for p in config.getini("e2e_paths")]
+    entries = config.getini("e2e_paths")
+    paths = [config.rootpath / p for p in entries if "::" not in p]
+    tests = {p for p in entries if "::" in p}
     for item in items:
-        if any(item.path == p or p in item.path.parents for p in paths):
+        if (item.nodeid.split("[")[0] in tests
+                or any(item.path == p or p in item.path.parents for p in paths)):
             item.add_marker(pytest.mark.e2e)

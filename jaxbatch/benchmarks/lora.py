@@ -1,10 +1,10 @@
 """What LoRA adapters cost a decode step: a random model of the embedded model's shapes (SmolLM2-135M:
 hidden 576, 30 layers) with random rank-16 PEFT adapters on all seven layer matrices; decode
 steps at 16 and 64 rows with 0, 1 and `max_loras` adapters active, against the same model in an
-engine without LoRA. Engines take turns, `--rounds` times (the machine is shared).
-
-Also the batch delta of one matrix in its two forms (`--delta-rows`). Adapters are written in PEFT's format directly (`adapter_config.json` +
-`adapter_model.safetensors`), so neither torch nor peft is needed.
+engine without LoRA. Engines take turns, `--rounds` times (the machine is shared). Adapters
+are written in PEFT's format directly (`adapter_config.json` + `adapter_model.safetensors`), so
+neither torch nor peft is needed. (The batch delta's two forms alone: the lab's
+`python -m benchmarks lora-delta`.)
 
     python -m jaxbatch bench lora --rows 16 64 --rounds 2
 """
@@ -53,32 +53,6 @@ def write_random_adapter(folder: str, cfg, rank: int, seed: int) -> None:
                    "target_modules": list(TARGETS), "use_rslora": False, "bias": "none"}, f)
 
 
-def delta_forms_ms(rows: int, d: int = 576, slots: int = 5, r: int = 16) -> dict[str, float]:
-    """The batch delta of one d x d matrix both ways (jit, mean of 50), beside the base matmul:
-    the one-hot einsum the model uses, and per-row gathers of each row's A and B."""
-    import jax
-    import jax.numpy as jnp
-    from jaxbatch.model.lora_delta import lora_delta, lora_delta_gathered
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((slots, r, d)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((slots, r, d)), jnp.float32)
-    idx = jnp.asarray(rng.integers(0, slots, rows), jnp.int32)
-    one_hot = jax.nn.one_hot(idx, slots, dtype=jnp.float32)
-
-    def mean_ms(fn, *xs, reps=50):
-        jax.block_until_ready(fn(*xs))
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*xs)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / reps * 1e3
-    return {"base matmul": mean_ms(jax.jit(lambda x, w: x @ w), x, w),
-            "one-hot einsum": mean_ms(jax.jit(lora_delta), x, a, b, one_hot),
-            "per-row gather": mean_ms(jax.jit(lora_delta_gathered), x, a, b, idx)}
-
-
 def decode_step_ms(engine, rows: int, lora_requests, tokens: int, tag: str) -> float:
     """Median wall time of the steps where all `rows` requests decode (prefill steps and the
     last ones, as rows finish, left out)."""
@@ -104,15 +78,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--tokens", type=int, default=24, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--delta-rows", type=int, nargs="*", default=[16, 256],
-                    help="also time the batch delta's two forms at these row counts")
     ap.add_argument("--out", default="bench_out/lora")
     args = ap.parse_args(argv)
-    deltas = {rows: delta_forms_ms(rows) for rows in args.delta_rows}
-    for rows, forms in deltas.items():
-        print(f"delta, {rows} rows x 576^2, 5 slots, r 16: "
-              + ", ".join(f"{k} {v:.3f} ms" for k, v in forms.items()), flush=True)
-
     from jaxbatch import LoRARequest
     from jaxbatch.benchmarks.random_models import random_model
     from jaxbatch.engine.llm_engine import LLMEngine
@@ -148,7 +115,7 @@ def main(argv=None):
         table_rows.append(row)
     md = table(["decode step (median)"] + [f"{rows} rows" for rows in args.rows], table_rows)
     print(md)
-    report = {"machine": machine_info(), "args": vars(args), "delta_forms_ms": deltas,
+    report = {"machine": machine_info(), "args": vars(args),
               "compilations_after_warmup": [plain.stats()["num_compilations_after_warmup"],
                                             lora.stats()["num_compilations_after_warmup"]],
               "results": {f"{name} @ {rows}": v for (name, rows), v in results.items()}}

@@ -13,10 +13,8 @@ of continuous batching busy, so no run ends on a near-empty round) through
   int8 weights  f32 KV, baseline batch                     (int8 weights alone)
   int8 both     int8 KV + int8 weights, int8 cache's batch
 each warmed up on every bucket first; output tokens/s over the whole run and the median
-decode-only step time.
-Decode step A/B: one decode step of --ab-rows rows at full context, float32 vs int8 weights
-(same float32 KV cache, xla attention), the two jitted steps timed alternately so that the
-load of other jobs on this machine hits both alike; median of --ab-reps.
+decode-only step time. (One decode step, float32 against int8 weights, alone: the lab's
+`python -m benchmarks quant-step`.)
 Writes bench_quant.json, prints a markdown table (with the cost per million output tokens at
 --price-per-hour).
 """
@@ -27,7 +25,6 @@ import os
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,14 +32,8 @@ from jaxbatch import SamplingParams
 from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
 from jaxbatch.benchmarks.report import cost_cell, price_line, table, write_json
 from jaxbatch.engine.llm_engine import LLMEngine
-from jaxbatch.model.decoder import compute_logits
-from jaxbatch.worker.model_calls import reference_forward, reference_params
 from jaxbatch.model.loader import load_model
-from jaxbatch.model.quantize import quantize_params
-from jaxbatch.model.rope import inverse_frequencies
-from jaxbatch.worker import attention
-from jaxbatch.worker.kv_cache import allocate_pool, blocks_for_budget, bytes_per_block
-from pallas_kernels.xla_paged_attention import decode_work_items, num_decode_items
+from jaxbatch.worker.kv_cache import blocks_for_budget, bytes_per_block
 
 BLOCK_SIZE = 16
 
@@ -86,46 +77,12 @@ def run(loaded, requests, slots, context, budget, **kw):
             "warmup_s": engine.warmup_seconds}
 
 
-def decode_step_ab(params_by_name, cfg, rows, context, reps):
-    """Median seconds of one decode step (forward + logits) per params variant, interleaved."""
-    pages = context // BLOCK_SIZE
-    pool = allocate_pool(cfg, rows * pages + 1, BLOCK_SIZE, jnp.float32)
-    tables = np.arange(1, rows * pages + 1, dtype=np.int32).reshape(rows, pages)
-    lengths = np.full(rows, context, np.int32)
-    items = decode_work_items([(i, list(tables[i]), context) for i in range(rows)], rows,
-                              BLOCK_SIZE, num_decode_items(lengths, BLOCK_SIZE))
-    meta = tuple(jnp.asarray(a) for a in items) + (jnp.asarray(lengths),)
-    attend = attention.get_backend("xla").decode_attend(meta, cfg.head_dim ** -0.5)
-    tokens = jnp.ones(rows, jnp.int32)
-    positions = jnp.full(rows, context - 1, jnp.int32)
-    slots = jnp.asarray(tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1)
-    inv_freq = jnp.asarray(inverse_frequencies(cfg))
-
-    @jax.jit
-    def step(params, pool):
-        hidden, pool = reference_forward(params, cfg, pool, tokens, positions, slots, attend,
-                                            inv_freq)
-        return compute_logits(reference_params(params), hidden), pool
-
-    times = {name: [] for name in params_by_name}
-    for name, params in params_by_name.items():
-        jax.block_until_ready(step(params, pool))                 # compile
-    for _ in range(reps):
-        for name, params in params_by_name.items():
-            start = time.perf_counter()
-            jax.block_until_ready(step(params, pool))
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="jaxbatch bench quant", description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=256, help="max_model_len, tokens per sequence")
     ap.add_argument("--base-seqs", type=int, default=8,
                     help="the budget is what this many full float32 sequences need")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--ab-rows", type=int, default=16)
-    ap.add_argument("--ab-reps", type=int, default=15)
     ap.add_argument("--variants", nargs="+", default=["f32_kv", "int8_kv", "int8_weights",
                                                       "int8_both"])
     ap.add_argument("--seed", type=int, default=0)
@@ -150,10 +107,6 @@ def main(argv=None):
         slots, kw = variants[name]
         print(f"[bench_quant] {name}: {slots} slots", flush=True)
         report["runs"][name] = run(loaded, requests, slots, args.context, budget, **kw)
-    print("[bench_quant] decode step A/B", flush=True)
-    report["decode_step_ms"] = decode_step_ab(
-        {"float32": loaded.params, "int8": quantize_params(loaded.params)}, cfg, args.ab_rows,
-        args.context, args.ab_reps)
     report["machine"]["loadavg_end"] = os.getloadavg()
     report["price"] = resolve_price(args.price_per_hour, report["machine"])
     write_json(Path(args.out) / "bench_quant.json", report)
@@ -176,11 +129,6 @@ def markdown(report) -> str:
                      "n/a" if step is None else f"{step:.1f}", f"{r['seconds']:.1f}"])
     lines.append(table(["variant", "slots", "output tok/s", "$ / M out tok",
                         "full-batch decode step ms", "wall s"], rows))
-    ab = report.get("decode_step_ms")
-    if ab:
-        lines.append(f"\nDecode step, {report['args']['ab_rows']} rows at context "
-                     f"{report['args']['context']}, median of {report['args']['ab_reps']} "
-                     f"interleaved: " + ", ".join(f"{k} weights {v:.1f} ms" for k, v in ab.items()))
     lines.append("\n" + price_line(price))
     return "\n".join(lines)
 

@@ -6,9 +6,10 @@ request is replaced at once) on two workloads:
               with a few typos: the answer mostly copies the prompt, as edits and summaries do
   default     the bundled prompts (benchmarks/data/bench_prompts.json), chat template applied
 
-and the decode step time by rows, which sets `max_batch_size` (speculation off above it). Both
-engines share one runner; on/off alternate --repeats times, medians reported; the greedy tokens
-of every request must be equal with speculation on and off (checked, reported).
+Both engines share one runner; on/off alternate --repeats times, medians reported; the greedy
+tokens of every request must be equal with speculation on and off (checked, reported). What one
+more row costs a decode step, which sets `max_batch_size`, is in `jaxbatch bench throughput`'s
+report (`decode_step_ms_by_rows`).
 
     jaxbatch bench spec [--repeats 2] [--k 3] [--out bench_out] [--price-per-hour USD]
 """
@@ -76,28 +77,6 @@ def closed_loop(engine, prompts, output_lens, concurrency) -> dict:
             "tokens": [tokens[i] for i in range(len(prompts))]}
 
 
-def decode_step_ms_by_rows(engine, rows_list, repeats=5) -> dict:
-    """Median time of a decode-only step at each row count: what one more row costs."""
-    from jaxbatch import SamplingParams
-    out = {}
-    for rows in rows_list:
-        engine.reset_prefix_cache()
-        for i in range(rows):
-            engine.add_request(f"r{rows}-{i}", [100 + i, 200, 300, 400],
-                               SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True))
-        engine.step()                       # the prefill step
-        engine.step()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            engine.step()
-            samples.append(time.perf_counter() - start)
-        while engine.has_unfinished_requests():
-            engine.step()
-        out[rows] = 1e3 * statistics.median(samples)
-    return out
-
-
 def bench_spec(loaded, args) -> dict:
     from jaxbatch.engine.llm_engine import LLMEngine
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
@@ -113,8 +92,7 @@ def bench_spec(loaded, args) -> dict:
         "repetitive": (repetitive_prompts(tokenizer), None),
         "default": (default, lognormal_lengths(rng, len(default), 48, 0.7, 8, 160)),
     }
-    report = {"speculative_config": spec, "repeats": args.repeats,
-              "step_ms_by_rows": decode_step_ms_by_rows(off, [1, 2, 4, 8, 16])}
+    report = {"speculative_config": spec, "repeats": args.repeats}
     for name, (prompts, lens) in workloads.items():
         for conc in args.concurrency:
             n = max(conc, args.requests_per_slot * conc)
@@ -153,12 +131,9 @@ def markdown(report) -> str:
                      f"{e['off']['tpot_median_ms']:.0f}", f"{e['on']['tpot_median_ms']:.0f}",
                      "-" if acc is None else f"{acc:.2f}",
                      f"{e['off']['steps']}/{e['on']['steps']}", e["outputs_equal"]])
-    steps = report["step_ms_by_rows"]
-    return (table(["workload @ concurrency", "tok/s off", "tok/s on", "speedup",
-                   "$ / M out tok off", "$ / M out tok on", "TPOT off ms", "TPOT on ms",
-                   "acceptance", "steps off/on", "equal"], rows)
-            + "\n\nDecode-only step ms by rows: "
-            + ", ".join(f"{r}: {v:.1f}" for r, v in steps.items()))
+    return table(["workload @ concurrency", "tok/s off", "tok/s on", "speedup",
+                  "$ / M out tok off", "$ / M out tok on", "TPOT off ms", "TPOT on ms",
+                  "acceptance", "steps off/on", "equal"], rows)
 
 
 def main(argv=None):

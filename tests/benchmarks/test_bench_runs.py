@@ -20,7 +20,7 @@ def test_latency_runs_chunked_against_unchunked(tmp_path):
 
 def test_quant_runs_capacity_and_both_caches(tmp_path, capsys):
     assert cli.main(["bench", "quant", "--context", "64", "--base-seqs", "2", "--requests", "4",
-                     "--variants", "f32_kv", "int8_kv", "--ab-rows", "2", "--ab-reps", "1",
+                     "--variants", "f32_kv", "int8_kv",
                      "--price-per-hour", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_quant.json").read_text())
     assert report["capacity"]["int8"]["blocks"] > report["capacity"]["float32"]["blocks"]

@@ -12,9 +12,9 @@ from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxbatch", "cpu_kernels", "pallas_kernels")
-# jaxbatch/benchmarks/ in lines of Python: 6,907 before issue 55, 3,208 after its first pass; the
+# jaxbatch/benchmarks/ in lines of Python: 6,907 before issue 55, 3,099 after its first pass; the
 # issue asks for under ~2,500. A ratchet: lower it as the room shrinks, never raise it.
-LINE_BUDGET = 3250
+LINE_BUDGET = 3100
 
 
 def python_files(*folders):

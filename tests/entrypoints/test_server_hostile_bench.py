@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_hostile_bench_tiny(capsys):
-    from jaxbatch.benchmarks import hostile
+    from benchmarks import hostile
     srv = ServerProcess("--max-num-seqs", "8", "--max-model-len", "512", "--no-warmup",
                         "--max-num-queued-reqs", "64", "--timeout-header-read", "2")
     try:

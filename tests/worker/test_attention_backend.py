@@ -96,8 +96,8 @@ def test_unknown_backend_is_refused():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from jaxbatch.benchmarks import gpu_e2e
-    return gpu_e2e.random_model("tiny", "float32", seed=0)
+    from jaxbatch.benchmarks.random_models import random_model
+    return random_model("tiny", "float32", seed=0)
 
 
 def run(engine, prompts, params):

@@ -235,7 +235,7 @@ def test_the_engine_runs_its_matmuls_on_the_kernel_and_agrees_with_xla(monkeypat
 
 
 def test_bench_gemm_reports_both_and_their_agreement(tmp_path, capsys):
-    from jaxbatch.benchmarks import gemm
+    from benchmarks import gemm
     assert gemm.main(["--rows", "3", "--dtype", "float32", "--matrices", "wo", "--calls", "2",
                       "--out", str(tmp_path)]) == 0
     import json

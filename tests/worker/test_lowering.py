@@ -112,10 +112,10 @@ def _engine_buckets(**engine_kwargs):
     tiny random model (bucket shapes depend on the scheduler settings, not on the model)."""
     import dataclasses
 
-    from jaxbatch.benchmarks import gpu_e2e
+    from jaxbatch.benchmarks.random_models import MODEL_SHAPES, random_model
     from jaxbatch.engine.llm_engine import LLMEngine
-    cfg = dataclasses.replace(gpu_e2e.MODEL_SHAPES["tiny"], max_position_embeddings=1 << 17)
-    loaded = gpu_e2e.random_model("tiny", "float32", seed=0, config=cfg)
+    cfg = dataclasses.replace(MODEL_SHAPES["tiny"], max_position_embeddings=1 << 17)
+    loaded = random_model("tiny", "float32", seed=0, config=cfg)
     engine = LLMEngine(loaded=loaded, attention_backend="pallas", warmup=False,
                        **engine_kwargs)
     runner = engine.runner
@@ -126,7 +126,7 @@ def _engine_buckets(**engine_kwargs):
 
 
 def _gpu_e2e_settings():
-    from jaxbatch.benchmarks import gpu_e2e
+    from benchmarks import gpu_e2e
     args = gpu_e2e.parse_args([])
     max_len = args.prompt_len + args.new_tokens
     return dict(max_num_seqs=args.slots, max_model_len=max_len,

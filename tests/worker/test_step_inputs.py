@@ -197,7 +197,7 @@ def test_padding_starts_after_the_last_real_token_of_every_call(backend):
                 assert start(both) == decode.key[1] + prefill_tokens(prefill)
                 mixed += 1
     assert mixed or not BACKENDS[backend].mixed_calls
-    from jaxbatch.benchmarks.step_keys import _every_row_real
+    from benchmarks.step_keys import every_row_real as _every_row_real
     for key in layout.bucket_shapes():
         call = layout.placeholder_call(*key)
         parts = call.parts or (call,)

@@ -135,9 +135,9 @@ def test_an_engine_lays_prefill_out_for_its_pool(dtype):
     """The runner asks the backend for its pool before building its StepLayout: a bf16 pool
     (bf16 bits on CPU) packs where the kernel runs, a float32 one starts chunks on tiles."""
     import jax.numpy as jnp
-    from jaxbatch.benchmarks import gpu_e2e
+    from jaxbatch.benchmarks.random_models import random_model
     from jaxbatch.engine.llm_engine import LLMEngine
-    engine = LLMEngine(loaded=gpu_e2e.random_model("tiny", dtype, seed=0), max_num_seqs=2,
+    engine = LLMEngine(loaded=random_model("tiny", dtype, seed=0), max_num_seqs=2,
                        max_model_len=64, attention_backend="xla", warmup=False)
     runner = engine.runner
     cfg = runner.model_cfg
