@@ -1,4 +1,4 @@
-// Kernel calls timed where they run, for `bench calls` (call_log.py owns the memory). XLA's
+// Kernel calls timed where they run, for `python -m benchmarks calls` (call_log.py owns the memory). XLA's
 // profiler times every op too, but its tracing slows the step it times, the small calls most;
 // a record here costs two clock reads and an atomic add, and nothing but a load while the
 // log is unset.

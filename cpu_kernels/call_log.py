@@ -1,5 +1,5 @@
 """The memory of the kernels' call log (`call_log.h`): each call of a CPU kernel, timed on the
-thread that runs it, for `bench calls`. The log is compiled only into an instrumented build:
+thread that runs it, for `python -m benchmarks calls`. The log is compiled only into an instrumented build:
 a process that wants it calls `instrument()` before any kernel registers, and its libraries
 are then built with -DJAXBATCH_CALL_LOG (a library of their own in the cache); production
 builds carry no log code. One log per process, owned here and handed to every kernel library
@@ -74,7 +74,7 @@ def start() -> None:
     if not _INSTRUMENTED:
         raise RuntimeError("call_log.start(): the kernels are built without the call log; "
                            "call cpu_kernels.call_log.instrument() before any kernel registers "
-                           "(first thing in the process, as `bench calls` does)")
+                           "(first thing in the process, as `python -m benchmarks calls` does)")
     _HANDOUT.hand(None)
     if _LOG is None:
         _LOG = _Log()

@@ -81,7 +81,7 @@ struct Problem {
 // Requests every cache line of span `s`, its keys' whole group (bf16 keys of a group are
 // spread over all of it) and its values, into L2 (`_MM_HINT_T2`: requests for L1 stall the
 // core once its few L1 miss buffers are taken). Key and value lines alternate: requesting all
-// the keys first, then the values, ran slower (docs/BENCHMARKS.md, 2026-12-05 late morning).
+// the keys first, then the values, ran slower.
 template <typename T>
 void PrefetchSpan(const Span<T>& s, int64_t D) {
   constexpr int64_t kPerLine = 64 / sizeof(T);

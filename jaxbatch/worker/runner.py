@@ -172,7 +172,7 @@ class ModelRunner:
         """Every executable the runner runs goes through here."""
         if not self.executable_observers:
             return self.executables.run(key, args)
-        # Benchmarks' hook (jaxbatch/benchmarks/observer.py): with an observer attached each
+        # Benchmarks' hook (benchmarks/observer.py): with an observer attached each
         # executable is waited for, so its wall time is its device time (profiling only).
         start = time.perf_counter()
         out = jax.block_until_ready(self.executables.run(key, args))
@@ -180,7 +180,7 @@ class ModelRunner:
             observer.on_executable(key, time.perf_counter() - start)
         return out
 
-    def _sampling_arrays(self, rows: list[SamplingRow | None], bitmask: np.ndarray | None = None):
+    def sampling_arrays(self, rows: list[SamplingRow | None], bitmask: np.ndarray | None = None):
         """Penalty history always has max_model_len columns (one executable for every request);
         steps without penalties pass a -1 array kept on device per row count. The same for
         the grammar bitmask (structured outputs): `bitmask` [n, ceil(V/32)] or None."""
@@ -198,20 +198,20 @@ class ModelRunner:
         key = as_key(key)
         kind = key.kind
         if isinstance(key, ModelCallKey):
-            return self._model_args(key, self.layout.placeholder_call(kind, *key.sizes).args)
+            return self.model_args(key, self.layout.placeholder_call(kind, *key.sizes).args)
         vocab, n = self.model_cfg.vocab_size, key.rows
         if kind == "sample":
-            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
+            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self.sampling_arrays([None] * n),
                     self.kept_tokens, np.zeros(n, np.int32))
         if kind == "verify_sample":
-            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self._sampling_arrays([None] * n),
+            return (jax.ShapeDtypeStruct((n, vocab), jnp.float32), self.sampling_arrays([None] * n),
                     self.kept_tokens, np.zeros(n, np.int32),
                     jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, vocab), jnp.float32))
         # The embedding's dtype is the activations' (layer matrices may be int8).
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
-    def _model_args(self, key: ModelCallKey, call_args: tuple,
+    def model_args(self, key: ModelCallKey, call_args: tuple,
                     call: ModelCall | None = None) -> tuple:
         # `call` (None at warm-up): for subclasses adding per-row inputs (jaxbatch/lora/runner.py).
         kind = as_key(key).kind
@@ -247,7 +247,7 @@ class ModelRunner:
     def _dispatch(self, call: ModelCall) -> list[ForwardedPart]:
         """A model call: device arrays, nothing read. -> one part per sampled part of the call
         (a mixed call's decode and prefill parts are sampled apart)."""
-        out = self._run(call.key, self._model_args(call.key, call.args, call))
+        out = self._run(call.key, self.model_args(call.key, call.args, call))
         self.pool = out[-1]
         if call.parts is not None:          # (decode logits, prefill logits, prefill hidden)
             decode, prefill = call.parts
@@ -265,7 +265,7 @@ class ModelRunner:
                               time.perf_counter() - step.started)
 
     def _sample(self, call: ModelCall, logits, hidden, bitmask):
-        arrays = self._sampling_arrays(call.rows, bitmask)
+        arrays = self.sampling_arrays(call.rows, bitmask)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
             SampleKey(kind, len(call.rows)),
