@@ -17,7 +17,6 @@ at rate inf is then reported as median served / median offline output tok/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics

@@ -8,7 +8,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
