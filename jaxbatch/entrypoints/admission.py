@@ -1,5 +1,5 @@
-"""AsyncLLM's errors and its admission ticket (moved out of async_llm.py, which re-exports
-them, to keep that file under the size rule)."""
+"""What a caller of AsyncLLM meets before and around the engine thread: its errors, and the
+admission ticket that counts an HTTP request from the admission check until it is done."""
 from __future__ import annotations
 
 

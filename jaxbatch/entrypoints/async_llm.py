@@ -39,8 +39,7 @@ from typing import AsyncIterator, Callable
 from jaxbatch.engine.commands import AbortRequest, AddRequest, ResetPrefixCache
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
-# Moved out to keep this file under the size rule; imported from here as before.
-from jaxbatch.entrypoints.admission import EngineDeadError, EngineUnavailableError, Ticket  # noqa: F401
+from jaxbatch.entrypoints.admission import EngineDeadError, EngineUnavailableError, Ticket
 
 STARTING, READY, DRAINING, DEAD, STOPPED = "starting", "ready", "draining", "dead", "stopped"
 
