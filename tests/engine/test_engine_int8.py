@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 
@@ -105,7 +106,7 @@ def test_one_memory_budget_holds_more_blocks_with_an_int8_cache(tiny):
         engine = _engine(tiny, kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
                          max_num_seqs=8, max_model_len=512)
         blocks[kv] = engine.stats()["num_total_blocks"] + 1          # plus the null block
-        pool_bytes = sum(a.nbytes for a in engine.runner.pool)
+        pool_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.pool))
         assert pool_bytes == blocks[kv] * bytes_per_block(tiny.config, 16, jnp.float32, kv)
         assert pool_bytes <= budget
     # float32 model: 16 x 4 bytes per (token, head) vs 16 + 4 -> 3.2x the blocks.

@@ -24,7 +24,7 @@ for tp in (1, size):
                          for o in outs])
     results[tp] = (tokens, logprobs)
     if tp > 1:
-        we_gate = llm.llm_engine.runner.params["layers"]["we_gate"]             # [L, E, d, F]
+        we_gate = llm.llm_engine.runner.params["layers"]["we_gate"].w           # [L, E, d, F]
         shard = we_gate.addressable_shards[0].data.shape
         assert shard[1] == we_gate.shape[1] // tp, f"experts not split: shard {shard}"
     print(f"tp={tp} tokens={tokens}")

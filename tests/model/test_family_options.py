@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from jaxbatch import LLM, SamplingParams
-from jaxbatch.model.quantize import is_quantized
+from jaxbatch.model.linear import Int8
 
 SETTINGS = dict(dtype="float32", max_num_seqs=3, max_model_len=128, prefill_chunk_size=16,
                 warmup=False, compilation_cache=False)
@@ -21,7 +21,7 @@ def _hf_logprobs(model, tokens):
 def test_int8_kv_and_int8_weights_on_windowed_experts(checkpoint):
     folder, model = checkpoint("mixtral")
     llm = LLM(model=folder, kv_cache_dtype="int8", quantization="int8", **SETTINGS)
-    assert is_quantized(llm.llm_engine.runner.params["layers"]["we_gate"])
+    assert isinstance(llm.llm_engine.runner.params["layers"]["we_gate"], Int8)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (9, 33)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0,
