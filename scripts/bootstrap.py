@@ -52,7 +52,7 @@ JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
                 "test_the_jnp_form_rounds_the_sum_before_the_norm",
                 "tests/worker/test_cpu_add_rms_norm.py::test_a_row_alone_equals_the_row_in_a_batch",
                 "tests/worker/test_cpu_add_rms_norm.py::"
-                "test_layers_takes_the_kernel_on_cpu_and_jnp_elsewhere",
+                "test_the_seam_takes_the_kernel_on_cpu_and_jnp_elsewhere",
                 "tests/worker/test_cpu_first_argmax.py",
                 "tests/worker/test_cpu_packed_gemm.py::"
                 "test_rows_past_the_count_are_zeros_and_the_others_as_computed_whole",
