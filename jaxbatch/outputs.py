@@ -40,3 +40,18 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache (by earlier requests; n > 1 samples sharing
     # the prompt computed by the first are counted in stats()["prefix_cache_hits"] only).
     num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request returns (vLLM's shape): `outputs.embedding`."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

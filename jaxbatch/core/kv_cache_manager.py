@@ -57,8 +57,9 @@ class KVCacheManager:
 
     def computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks this sequence may start from. Requests for prompt logprobs compute
-        their whole prompt (a hit has no logits)."""
-        if not self.caching or seq.params.prompt_logprobs is not None:
+        their whole prompt (a hit has no logits), and so do embedding requests (a hit has no
+        hidden states to pool)."""
+        if not self.caching or seq.params.prompt_logprobs is not None or seq.pooling is not None:
             return []
         return self._cached_run(seq.prompt_token_ids + seq.output_token_ids,
                                 seq.params.cache_salt, seq.block_keys)
@@ -75,7 +76,7 @@ class KVCacheManager:
         if hits:
             self.blocks.share_cached(seq.seq_id, hits)
             seq.num_computed_tokens = hit_tokens
-        if self.caching and seq.params.prompt_logprobs is None:
+        if self.caching and seq.params.prompt_logprobs is None and seq.pooling is None:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += hit_tokens
         if seq.num_cached_tokens is None:

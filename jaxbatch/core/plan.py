@@ -20,6 +20,7 @@ class PrefillChunk:
     sample: bool                     # the chunk ends at the sequence's last token
     prompt_logprobs: int | None      # top-k wanted for prompt positions in this chunk
     slot: int = -1                   # the sequence's slot: where its sampled token is kept
+    pool: bool = False               # an embedding request's: pooled, never sampled
 
 
 @dataclasses.dataclass
@@ -105,6 +106,8 @@ class StepResult:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     # seq_id -> the token sampled at each verification row (after each proposed token)
     draft_sampled: dict[int, list[SampledToken]] = dataclasses.field(default_factory=dict)
+    # seq_id -> its pooled chunk's vector [d] float32 (embedding requests, worker/pooling.py)
+    pooled: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def pad_block_table(table: list[int], num_pages: int) -> np.ndarray:

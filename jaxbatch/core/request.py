@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxbatch.pooling_params import PoolingParams
 from jaxbatch.sampling_params import SamplingParams
 
 
@@ -62,6 +63,10 @@ class Sequence:
     # until this step, for twice as long each time (reset by a mostly accepted one).
     spec_resume_step: int = 0
     spec_backoff: int = 0
+    # Embedding requests: prefill only, pooled (never sampled); each computed chunk's pooled
+    # vector by the chunk's start (a chunk recomputed after a preemption gives the same one).
+    pooling: PoolingParams | None = None
+    pooled: dict[int, object] = dataclasses.field(default_factory=dict)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -89,6 +94,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prefills_last_token(self) -> bool:
+        """An embedding request computes its whole prompt in prefill chunks (its last token
+        too), and never decodes; a generating one decodes its last token."""
+        return self.pooling is not None
 
     @property
     def is_finished(self) -> bool:

@@ -195,7 +195,8 @@ class Scheduler:
 
         # Decodes first: one long prompt must never stall everyone's next token.
         for seq in order:
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if (seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1
+                    or seq.prefills_last_token):
                 continue
             if self._ends_with_pending_token(seq):
                 continue
@@ -212,7 +213,7 @@ class Scheduler:
         # request computes the same shapes, and the same numbers, alone or in a crowd.
         for seq in order:
             if (seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled
-                    or seq.num_uncomputed_tokens <= 1):
+                    or seq.num_uncomputed_tokens <= (0 if seq.prefills_last_token else 1)):
                 continue
             chunk = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_size)
             if chunk > budget:
@@ -220,12 +221,13 @@ class Scheduler:
             start = seq.num_computed_tokens
             if not self._reserve(seq, start + chunk, scheduled):
                 continue
-            samples = start + chunk == seq.num_tokens
+            pools = seq.pooling is not None
+            samples = start + chunk == seq.num_tokens and not pools
             wants_prompt_lp = seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
             prefills.append(PrefillChunk(
                 seq.seq_id, seq.tokens(start, start + chunk), start,
                 list(self.blocks.block_table(seq.seq_id)), samples,
-                seq.params.prompt_logprobs if wants_prompt_lp else None, seq.slot))
+                seq.params.prompt_logprobs if wants_prompt_lp else None, seq.slot, pools))
             if samples:
                 sampling[seq.seq_id] = self.sampling_row(seq)
             scheduled.add(seq.seq_id)
@@ -285,7 +287,7 @@ class Scheduler:
             for position, logprobs in result.prompt_logprobs.get(chunk.seq_id, ()):
                 if seq is not None and position < seq.num_prompt_tokens:
                     seq.prompt_logprobs[position] = logprobs
-        advanced = []
+        advanced = self._apply_pooled(plan, result, seqs)
         drafts = {d.seq_id: d.draft_token_ids for d in plan.decodes if d.draft_token_ids}
         for seq_id, sampled in result.sampled.items():
             seq = seqs.get(seq_id)
@@ -303,12 +305,29 @@ class Scheduler:
             self.speculation.propose_next(self)
         return advanced
 
+    def _apply_pooled(self, plan: StepPlan, result: StepResult,
+                      seqs: dict[int, Sequence]) -> list[Sequence]:
+        """Embedding requests: each pooled chunk's vector is kept on its sequence; the chunk
+        ending the prompt finishes it (its blocks and slot freed at once). -> those finished."""
+        finished = []
+        for chunk in plan.prefills:
+            seq = seqs.get(chunk.seq_id)
+            if not chunk.pool or seq is None or seq.is_finished:
+                continue
+            seq.pooled[chunk.start] = result.pooled[chunk.seq_id]
+            if chunk.start + len(chunk.token_ids) == seq.num_tokens:
+                now = time.monotonic()
+                seq.first_token_time = seq.last_token_time = now
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                finished.append(seq)
+        return finished
+
     def decode_ready(self) -> list[Sequence]:
         """The running sequences the next plan will decode (one uncomputed token each, none
         ending on a token still on device), in the policy's order; preemption may drop some."""
         return [seq for seq in sorted(self.running, key=self._key)
                 if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                and not self._ends_with_pending_token(seq)]
+                and not seq.prefills_last_token and not self._ends_with_pending_token(seq)]
 
     def decodes_may_preempt(self, decoding: list[Sequence]) -> bool:
         """Whether planning these decodes may preempt some of them: their next tokens need

@@ -29,6 +29,8 @@ def build_engine(model=None, **kwargs) -> EngineClient:
     """`kwargs`: engine options (engine/config.py) plus LLMEngine's `loaded=` / `runner=` /
     `devices=`. Options are checked before anything loads."""
     objects = {k: kwargs.pop(k) for k in ("loaded", "runner", "devices") if k in kwargs}
+    if isinstance(objects.get("runner"), str):     # runner="pooling": the option, not a runner
+        kwargs["runner"] = objects.pop("runner")
     par = EngineConfig.from_kwargs(model=model, **kwargs).parallel
     engine_kwargs = {k: v for k, v in kwargs.items() if k not in SCALE_OUT}
     if par.num_processes > 1:

@@ -25,6 +25,8 @@ QUANTIZATIONS = (None, "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KERNEL_MODES = ("auto", "off", "required")
 WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = (None, "last", "mean", "cls")
 NON_NEGATIVE = ("seed", "process_id")
 
 
@@ -167,9 +169,22 @@ class LoRAOptions:
                                        "use; None: max_loras")
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolingOptions:
+    runner: str = option("generate", "generate: text; pooling: embeddings (LLM.embed, "
+                         "/v1/embeddings), prefill only, no text generated", RUNNERS)
+    pooling_type: str | None = option(
+        None, "pooling runner: how hidden states become one vector (last token, mean, CLS); "
+        "None: the checkpoint's sentence-transformers config, else last", POOLING_TYPES)
+    pooling_normalize: bool | None = option(
+        None, "pooling runner: scale embeddings to unit length; None: as the checkpoint's "
+        "sentence-transformers modules say, else yes")
+
+
 GROUPS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
           "speculative": SpeculativeOptions, "parallel": ParallelOptions,
-          "runtime": RuntimeOptions, "lora": LoRAOptions}
+          "runtime": RuntimeOptions, "lora": LoRAOptions,
+          "pooling": PoolingOptions}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +196,14 @@ class EngineConfig:
     parallel: ParallelOptions = dataclasses.field(default_factory=ParallelOptions)
     runtime: RuntimeOptions = dataclasses.field(default_factory=RuntimeOptions)
     lora: LoRAOptions = dataclasses.field(default_factory=LoRAOptions)
+    pooling: PoolingOptions = dataclasses.field(default_factory=PoolingOptions)
 
     def __post_init__(self):
         for name, value in self.as_kwargs().items():
             _check(name, value, OPTIONS[name])
         _check_tensor_parallel(self)
         _check_lora(self)
+        _check_pooling(self)
         SpeculativeConfig.from_dict(self.speculative.speculative_config)   # raises if invalid
 
     # ---- cross-feature checks: every one here, so a refused combination fails before
@@ -248,6 +265,8 @@ def _check(name: str, value, field: dataclasses.Field) -> None:
                              f"{'>= 0' if name in NON_NEGATIVE else 'a positive integer'}")
     if field.type == "bool" and not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+    if field.type == "bool | None" and value not in (None, True, False):
+        raise ValueError(f"{name}={value!r} must be True, False or None")
 
 
 def _check_tensor_parallel(config: "EngineConfig", how: str | None = None) -> None:
@@ -277,6 +296,28 @@ def _check_lora(config: "EngineConfig") -> None:
         raise ValueError(f"max_cpu_loras={cpu} must be >= max_loras={config.lora.max_loras}")
 
 
+def _check_pooling(config: "EngineConfig") -> None:
+    """The pooling options belong to the pooling runner; what it does not combine with (yet)
+    is refused, not ignored."""
+    p = config.pooling
+    if p.runner != "pooling":
+        given = [name for name, value in (("pooling_type", p.pooling_type),
+                                          ("pooling_normalize", p.pooling_normalize))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} needs runner='pooling'")
+        return
+    par = config.parallel
+    refused = [name for name, on in (
+        ("tensor_parallel_size > 1", par.tensor_parallel_size > 1),
+        ("data_parallel_size > 1", par.data_parallel_size > 1),
+        ("num_processes > 1", par.num_processes > 1),
+        ("enable_lora", config.lora.enable_lora),
+        ("speculative_config", config.speculative.speculative_config is not None)) if on]
+    if refused:
+        raise ValueError(f"runner='pooling' is not supported with {', '.join(refused)}")
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -289,7 +330,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(name, nargs="?", default=field.default, help=meta["help"])
             continue
         kwargs: dict[str, Any] = {"default": field.default, "help": meta["help"], "dest": name}
-        if field.type == "bool":
+        if field.type in ("bool", "bool | None"):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.type.startswith("int"):
             kwargs["type"] = int_at_least(0 if name in NON_NEGATIVE else 1)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.core.scheduler import Scheduler
-from jaxbatch.engine import setup
+from jaxbatch.engine import pooling, setup
 from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
@@ -36,7 +36,7 @@ from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
-from jaxbatch.spec_decode.speculative import SpeculativeConfig
+from jaxbatch.spec_decode.speculative import NO_SPECULATION_STATS, SpeculativeConfig
 from jaxbatch.structured.manager import StructuredOutputManager
 from jaxbatch.worker import compile_cache, weight_forms
 from jaxbatch.worker.runner import ModelRunner
@@ -53,6 +53,7 @@ class LLMEngine(EngineBase):
         `devices`: the devices tensor parallelism splits over (default: jax's, every
         process's). Replicas (`data_parallel_size`) and several processes (`num_processes`)
         are other engines: `jaxbatch.engine.build.build_engine` (or `LLM`) makes them."""
+        runner, options = setup.runner_option(runner, options)   # runner="pooling": an option
         config = EngineConfig.from_kwargs(model=model, **options)   # checks every combination
         config.check_engine_args(runner=runner, devices=devices)   # ... and these, before loading
         par = config.parallel
@@ -91,11 +92,11 @@ class LLMEngine(EngineBase):
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   eos)
-        verify_keys_added = False
+        self.pooler, keys_added = pooling.make_pooler(config, loaded, runner)  # or None
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
             # k proposals each (never more rows than max_num_seqs).
-            verify_keys_added = runner.enable_verify_sampling(min(
+            keys_added = runner.enable_verify_sampling(min(
                 self.config.max_num_seqs,
                 speculative.max_batch_size * (1 + speculative.num_speculative_tokens)))
         self._rng = random.Random(config.runtime.seed)
@@ -114,7 +115,7 @@ class LLMEngine(EngineBase):
         # --- benchmarks hook (benchmarks/observer.py): called once per step read back
         self.step_observers: list = []
         self.warmup_seconds = 0.0
-        if config.runtime.warmup and (not self.runner.warmed_up or verify_keys_added):
+        if config.runtime.warmup and (not self.runner.warmed_up or keys_added):
             self.warmup()
 
     def warmup(self) -> float:
@@ -154,10 +155,7 @@ class LLMEngine(EngineBase):
         """Raises ValueError naming what is wrong; returns (prompt text, token ids, params).
         Changes nothing, so a caller can check a whole batch before adding any of it."""
         self._lora_weights(lora_request)
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
-        params._validate()
+        params = pooling.checked_params(self.pooler, params)     # SamplingParams or PoolingParams
         request_id = str(request_id)
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -177,6 +175,8 @@ class LLMEngine(EngineBase):
         if blocks.blocks_for(len(ids) + 1) > blocks.num_total_blocks:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens needs more "
                              f"KV blocks than the whole pool ({blocks.num_total_blocks})")
+        if isinstance(params, pooling.PoolingParams):
+            return text, ids, params
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
@@ -217,6 +217,11 @@ class LLMEngine(EngineBase):
         return set() if self.lora is None else set(self.lora.known) | set(self.lora.host)
 
     def _create_sequences(self, request_id, text, ids, params, priority, now, lora=None) -> None:
+        if isinstance(params, pooling.PoolingParams):     # an embedding: one prefill-only sequence
+            state = pooling.EmbeddingState.of(self._next_seq_id, request_id, ids, params,
+                                              self.pooler, priority, now)
+            self._next_seq_id += 1
+            return self._add_sequences(state)
         seqs = []
         for i in range(params.n):
             if params.seed is None:
@@ -230,8 +235,11 @@ class LLMEngine(EngineBase):
             if lora is not None:
                 self.lora.add(seq, *lora)
             seqs.append(seq)
-        self.outputs.add(RequestState(request_id, text, ids, params, now, seqs, [""] * params.n))
-        for seq in seqs:
+        self._add_sequences(RequestState(request_id, text, ids, params, now, seqs, [""] * params.n))
+
+    def _add_sequences(self, state) -> None:
+        self.outputs.add(state)
+        for seq in state.seqs:
             self._seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
             self.structured.add(seq)           # structured outputs: its matcher
@@ -251,7 +259,7 @@ class LLMEngine(EngineBase):
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Prompt tokens this engine's prefix cache holds for such a request now."""
-        if params.prompt_logprobs is not None:
+        if isinstance(params, pooling.PoolingParams) or params.prompt_logprobs is not None:
             return 0
         return self.scheduler.cached_prefix_tokens(prompt_token_ids, params.cache_salt)
 
@@ -410,8 +418,3 @@ class LLMEngine(EngineBase):
             **self.structured.stats(),        # structured outputs: structured_* counters
             **(self.lora.stats() if self.lora is not None else {}),   # LoRA: lora_* counters
         }
-
-
-NO_SPECULATION_STATS = {"speculative_method": None, "spec_num_drafts": 0,
-                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
-                        "spec_accepted_per_position": [], "spec_mean_accepted_length": 0.0}

@@ -29,6 +29,14 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 GPU_KV_MEMORY_FRACTION = 0.5
 
 
+def runner_option(runner, options: dict) -> tuple[ModelRunner | None, dict]:
+    """`runner=` names two things: a string is the `runner` option ("generate" | "pooling",
+    vLLM's spelling), a ModelRunner another engine's compiled steps to share."""
+    if isinstance(runner, str):
+        return None, {**options, "runner": runner}
+    return runner, options
+
+
 def load_weights(config: EngineConfig, loaded: LoadedModel | None,
                  devices=None) -> LoadedModel:
     """The checkpoint's weights (or `loaded`'s), quantized as asked and stacked per layer."""

@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 from jaxbatch.engine.build import build_engine
 from jaxbatch.engine.interface import EngineClient
 from jaxbatch.lora.request import per_request
-from jaxbatch.outputs import RequestOutput
+from jaxbatch.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxbatch.pooling_params import PoolingParams
 from jaxbatch.sampling_params import SamplingParams
 
 
@@ -44,6 +45,21 @@ class LLM:
         priorities = _per_prompt(priority, len(prompts), "priority", default=0)
         loras = per_request(lora_request, len(prompts))
         return self._run(list(zip(prompts, params, priorities, loras)), use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True, priority: list[int] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Embeddings (an engine built with runner="pooling"): `prompts` as for `generate`;
+        each output's `.outputs.embedding` is a list of floats, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(pooling_params, len(prompts), "pooling_params",
+                             default=PoolingParams())
+        priorities = _per_prompt(priority, len(prompts), "priority", default=0)
+        return self._run([(p, pp, prio, None) for p, pp, prio in zip(prompts, params, priorities)],
+                         use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,

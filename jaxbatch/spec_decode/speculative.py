@@ -158,3 +158,9 @@ class SpecCounters:
     def mean_accepted_length(self) -> float:
         """Tokens a speculating sequence gains per step: accepted proposals plus the sample."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+# An engine's stats() without speculation: the same keys as SpeculativePlanner.stats().
+NO_SPECULATION_STATS = {"speculative_method": None, "spec_num_drafts": 0,
+                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+                        "spec_accepted_per_position": [], "spec_mean_accepted_length": 0.0}

@@ -11,6 +11,8 @@ Each engine step dispatches, without reading anything back in between:
   sampling          ("sample", rows): one executable per row count, shared by every model call
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
+  pooling           ("pool", tokens): only in a pooling engine, for prefill calls holding
+                    embedding requests' chunks (`pooling.py`: one vector per chunk)
   verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
                     of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
 Keys are records (`executable_keys.py`: `ModelCallKey`, `SampleKey`; written above in their
@@ -29,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.worker import attention, kernels as kernel_seam, kv_cache, lowered_store, sampler
+from jaxbatch.worker import attention, kernels as kernel_seam, kv_cache, lowered_store, pooling
+from jaxbatch.worker import sampler
 from jaxbatch.worker import weight_forms
 from jaxbatch.worker.compilation import Executables
 from jaxbatch.worker.inputs import DECODE_ARGS, DecodeInputs, PrefillInputs
@@ -126,6 +129,7 @@ class ModelRunner:
                 kv_cache_dtype, chunks_per_call))
         self.executables = Executables(functions, store, self.tp)
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
+        self.pooling_type: str | None = None    # a pooling engine's: see enable_pooling
         # A sampled draft model's runner: (seq_id, position) -> the q that position drew from.
         self.kept_probs: dict[tuple[int, int], np.ndarray] | None = None
         self._unused_history: dict[int, jax.Array] = {}
@@ -142,8 +146,26 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[ModelCallKey | SampleKey]:
         """Every key the scheduler can make this runner execute."""
-        return self.layout.executable_keys() + [SampleKey("verify_sample", n) for n in
-                                                self.layout.decode_row_buckets() if n <= self.verify_rows]
+        pool = ([SampleKey("pool", t) for t in self.layout.prefill_token_buckets()]
+                if self.pooling_type is not None else [])
+        return (self.layout.executable_keys() + pool
+                + [SampleKey("verify_sample", n) for n in self.layout.decode_row_buckets()
+                   if n <= self.verify_rows])
+
+    def enable_pooling(self, pooling_type: str) -> bool:
+        """A pooling engine (embeddings): every prefill call holding a pooled chunk also runs
+        ("pool", tokens), which reduces the call's hidden states to one vector per chunk
+        (`pooling.py`), compiled at warm-up like every key. True if this added keys."""
+        if self.pooling_type == pooling_type:
+            return False
+        if self.pooling_type is not None:
+            raise ValueError(f"this runner pools with {self.pooling_type!r}, not "
+                             f"{pooling_type!r}: runner= shares one pooling type")
+        self.pooling_type = pooling_type
+        self.executables.functions["pool"] = (functools.partial(
+            pooling.pool_step, pooling.POOLERS[pooling_type],
+            window=self.cfg.prefill_chunk_size), None, None)
+        return True
 
     def enable_verify_sampling(self, max_rows: int) -> bool:
         """Speculation with sampled drafts: decode calls of up to `max_rows` rows may carry q
@@ -209,6 +231,9 @@ class ModelRunner:
                     jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n, vocab), jnp.float32))
         # The embedding's dtype is the activations' (layer matrices may be int8).
         hidden = jax.ShapeDtypeStruct((n, self.model_cfg.hidden_size), self.params["embed"].dtype)
+        if kind == "pool":
+            chunks = np.zeros(self.layout.chunks_per_call, np.int32)
+            return hidden, chunks, chunks
         return (self.params, hidden, jax.ShapeDtypeStruct((n,), jnp.int32))
 
     def model_args(self, key: ModelCallKey, call_args: tuple,
@@ -274,9 +299,13 @@ class ModelRunner:
         if call.want_prompt_logprobs:
             prompt_lp = self._run(SampleKey("prompt_logprobs", call.key.tokens),
                                   (self.params, hidden, call.targets))
+        pooled = None
+        if any(chunk.pool for chunk in call.chunks):
+            pooled = self._run(SampleKey("pool", call.key.tokens),
+                               (hidden, *self.layout.pool_inputs(call)))
         if self.tp is not None:
-            sampled, prompt_lp = self.tp.to_host((sampled, prompt_lp))
-        return sampled, prompt_lp
+            sampled, prompt_lp, pooled = self.tp.to_host((sampled, prompt_lp, pooled))
+        return sampled, prompt_lp, pooled
 
     def execute(self, plan: StepPlan, next_tokens: dict[int, int]) -> StepResult:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
@@ -292,7 +321,7 @@ class ModelRunner:
         start = time.perf_counter()
         plan, next_tokens = step.plan, step.next_tokens
         result = StepResult(sampled={}, prompt_logprobs={})
-        for call, (sampled, prompt_lp) in step.pending:
+        for call, (sampled, prompt_lp, pooled) in step.pending:
             tokens, logprob = np.asarray(sampled[0]), np.asarray(sampled[1])
             if self.kept_probs is not None:
                 self._keep_probs(call.rows, sampled[4])
@@ -316,6 +345,10 @@ class ModelRunner:
                 if chunk.prompt_logprobs is not None:
                     result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
                         chunk, q0, next_tokens.get(chunk.seq_id, -1), prompt_lp)
+            if pooled is not None:
+                vectors = np.asarray(pooled)
+                result.pooled.update((chunk.seq_id, vectors[i])
+                                     for i, chunk in enumerate(call.chunks) if chunk.pool)
         result.timings["dispatch_s"] = step.dispatch_seconds
         result.timings["collect_s"] = time.perf_counter() - start
         return result

@@ -266,6 +266,15 @@ class StepLayout:
                          want_prompt_logprobs=any(c.prompt_logprobs is not None for c in chunks),
                          token_slots=token_slots)
 
+    def pool_inputs(self, call: ModelCall) -> tuple[np.ndarray, np.ndarray]:
+        """A prefill call's chunks for ("pool", tokens): each chunk's first row and length
+        [chunks_per_call] int32 (length 0: no chunk)."""
+        q_starts = np.zeros(self.chunks_per_call, np.int32)
+        lengths = np.zeros(self.chunks_per_call, np.int32)
+        for i, (chunk, q0) in enumerate(zip(call.chunks, call.q_starts)):
+            q_starts[i], lengths[i] = q0, len(chunk.token_ids)
+        return q_starts, lengths
+
     # ---- one call per step ----------------------------------------------------------------
     def model_calls(self, plan: StepPlan, next_tokens: dict[int, int]) -> list[ModelCall]:
         """The step's model calls: its packed prefill calls, then its decode call; with

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "jaxbatch"
 # Lower numbers are lower rooms. A module may import its own room and rooms of a lower or
 # equal rank; docs/architecture.md draws the same picture.
 RANKS = {
-    "records": 0,          # jaxbatch/sampling_params.py, outputs.py: plain records; cache_dir.py
+    "records": 0,          # jaxbatch/sampling_params.py, pooling_params.py, outputs.py: plain records; cache_dir.py
     "core": 1,             # host: scheduler, KV cache manager, requests, plans
     "structured": 1,       # host: grammar matchers and bitmasks
     "model": 2, "parallel": 2,
@@ -39,7 +39,7 @@ def room_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "jaxbatch" or module in FRONT:
         return None
-    if len(parts) == 2 and parts[1] in ("sampling_params", "outputs", "cache_dir"):
+    if len(parts) == 2 and parts[1] in ("sampling_params", "pooling_params", "outputs", "cache_dir"):
         return "records"
     return parts[1]
 
