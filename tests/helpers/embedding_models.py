@@ -44,6 +44,7 @@ def write_embedding_checkpoint(family: str, folder: str, pooling: str | None = N
     if matryoshka is not None:
         model.config.matryoshka_dimensions = matryoshka
     model.save_pretrained(folder)
+    word_tokenizer(config.vocab_size).save_pretrained(folder)
     if pooling is not None:
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -58,6 +59,18 @@ def write_embedding_checkpoint(family: str, folder: str, pooling: str | None = N
             json.dump({"word_embedding_dimension": BASE["hidden_size"],
                        **{mode: key == pooling for key, mode in ST_MODES.items()}}, f)
     return model
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer over "w3" .. "w{V-1}" ("w7 w9" -> [7, 9]), no special tokens
+    added, so a text's ids are plain to see."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def hf_embedding(model, prompt: list[int], pooling: str, normalize: bool,

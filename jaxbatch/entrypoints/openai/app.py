@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.async_llm import READY, AsyncLLM, EngineDeadError, EngineUnavailableError
+from jaxbatch.entrypoints.openai.embeddings import embeddings_router
 from jaxbatch.entrypoints.openai.errors import APIError, error_response
 from jaxbatch.entrypoints.openai.guards import BodyLimit, ConcurrencyGuard
 from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, lora_router, models_response
@@ -226,6 +227,7 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
 
     app.include_router(v1)
     app.include_router(lora_router(lora, llm, _require_ready))   # /v1/(un)load_lora_adapter
+    app.include_router(embeddings_router(serving))               # /v1/embeddings (--runner pooling)
 
     # ---- unauthenticated: probes and scrapes --------------------------------------------------
     @app.get("/health")

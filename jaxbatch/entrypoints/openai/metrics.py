@@ -14,6 +14,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxbatch.outputs import EmbeddingRequestOutput
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -146,6 +148,11 @@ class ServerMetrics:
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts
         each of a request's n as its own request): inter-token gaps, finish reason."""
+        if isinstance(out, EmbeddingRequestOutput):   # no tokens generated, no timings
+            if out.finished and out.outputs.embedding:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.success["stop"].inc()
+            return
         m = out.metrics
         first = out.request_id not in self._seen and any(c.token_ids for c in out.outputs)
         if first:
