@@ -12,8 +12,11 @@ from jaxbatch import LLM, SamplingParams
 from jaxbatch.pooling_params import PoolingParams
 from embedding_models import hf_embedding, write_embedding_checkpoint
 
+# A budget of several chunks: a batch packs chunks of different requests into one call (a
+# chunk's pooling must not reach into its neighbour's rows).
 ENGINE = dict(runner="pooling", dtype="float32", max_num_seqs=4, max_model_len=256,
-              prefill_chunk_size=32, warmup=False, compilation_cache=False)
+              max_num_batched_tokens=160, prefill_chunk_size=32, warmup=False,
+              compilation_cache=False)
 # 1 token (never a decode), under a chunk, several chunks (pooled across them).
 LENGTHS = (1, 7, 32, 45, 100)
 
