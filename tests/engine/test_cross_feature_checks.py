@@ -1,7 +1,8 @@
 """Every cross-feature refusal lives in EngineConfig (issue 54), so an invalid combination is a
 ValueError before any weight loads: tensor parallelism x int8 (cache or weights), LoRA x tensor
 parallelism (by size or by devices=), LoRA x a runner= built without LoRA; LoRA x the lowered
-store is resolved there too (off for LoRA engines)."""
+store is resolved there too (off for LoRA engines); the pooling runner x what it does not
+combine with."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,15 @@ class RunnerWithoutLoRA:
     (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora=True is not supported"),
     (dict(devices=["a device"], enable_lora=True), "enable_lora=True is not supported with devices="),
     (dict(runner=RunnerWithoutLoRA(), enable_lora=True), "cannot reuse a runner= built without it"),
+    # Embeddings: the pooling options need the pooling runner, which is one device, no LoRA,
+    # no speculation (yet)
+    (dict(pooling_type="mean"), "pooling_type needs runner='pooling'"),
+    (dict(pooling_normalize=False), "pooling_normalize needs runner='pooling'"),
+    (dict(runner="pooling", tensor_parallel_size=2), "runner='pooling' is not supported with"),
+    (dict(runner="pooling", enable_lora=True), "runner='pooling' is not supported with"),
+    (dict(runner="pooling", speculative_config={"method": "ngram"}),
+     "runner='pooling' is not supported with speculative_config"),
+    (dict(runner="embed"), "runner='embed'; choose one of generate, pooling"),
 ])
 def test_a_refused_combination_fails_before_anything_loads(nothing_loads, kwargs, says):
     with pytest.raises(ValueError, match=says):
