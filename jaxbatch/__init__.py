@@ -11,12 +11,15 @@ import os
 # its advice that "PyTorch was not found. Models won't be available" would read as a fault.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxbatch.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              RequestMetrics, RequestOutput)
+from jaxbatch.pooling_params import PoolingParams
 from jaxbatch.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxbatch.lora.request import LoRARequest     # plain data, no JAX
 
 __all__ = ["LLM", "LLMEngine", "build_engine", "SamplingParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "RequestMetrics", "LoRARequest"]
+           "RequestOutput", "CompletionOutput", "RequestMetrics", "LoRARequest", "PoolingParams",
+           "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 
 def __getattr__(name):
