@@ -31,6 +31,9 @@ def make_pooler(config: EngineConfig, loaded, runner) -> tuple[PoolerConfig | No
     compiled at warm-up like every other) -> (pooler or None, whether keys were added)."""
     pooler = pooler_config(config, loaded.source, loaded.config.hidden_size)
     if pooler is None:
+        if runner.pooling_type is not None:
+            raise ValueError("runner= belongs to a pooling engine: a generating engine cannot "
+                             "share it")
         return None, False
     return pooler, runner.enable_pooling(pooler.pooling_type)
 

@@ -11,8 +11,9 @@ Each engine step dispatches, without reading anything back in between:
   sampling          ("sample", rows): one executable per row count, shared by every model call
                     of that many rows (kept out of the model calls: it is half their compile time)
   prompt logprobs   ("prompt_logprobs", tokens): only for prefill calls that ask
-  pooling           ("pool", tokens): only in a pooling engine, for prefill calls holding
-                    embedding requests' chunks (`pooling.py`: one vector per chunk)
+  pooling           ("pool", tokens): a pooling engine's prefill calls run it in place of
+                    sampling (`pooling.py`: one vector per chunk); such an engine compiles
+                    only prefill calls and these
   verification      ("verify_sample", rows): decode calls carrying sampled drafts' q, in place
                     of "sample"; only with draft_sampling="sampled" (`enable_verify_sampling`)
 Keys are records (`executable_keys.py`: `ModelCallKey`, `SampleKey`; written above in their
@@ -146,18 +147,23 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[ModelCallKey | SampleKey]:
         """Every key the scheduler can make this runner execute."""
-        pool = ([SampleKey("pool", t) for t in self.layout.prefill_token_buckets()]
-                if self.pooling_type is not None else [])
-        return (self.layout.executable_keys() + pool
-                + [SampleKey("verify_sample", n) for n in self.layout.decode_row_buckets()
-                   if n <= self.verify_rows])
+        if self.pooling_type is not None:
+            # A pooling engine's calls are prefill calls, pooled and never sampled.
+            return ([k for k in self.layout.bucket_shapes() if k.kind == "prefill"]
+                    + [SampleKey("pool", t) for t in self.layout.prefill_token_buckets()])
+        return self.layout.executable_keys() + [SampleKey("verify_sample", n) for n in
+                                                self.layout.decode_row_buckets() if n <= self.verify_rows]
 
     def enable_pooling(self, pooling_type: str) -> bool:
-        """A pooling engine (embeddings): every prefill call holding a pooled chunk also runs
-        ("pool", tokens), which reduces the call's hidden states to one vector per chunk
-        (`pooling.py`), compiled at warm-up like every key. True if this added keys."""
+        """A pooling engine (embeddings): every prefill call runs ("pool", tokens) instead of
+        sampling, which reduces the call's hidden states to one vector per chunk
+        (`pooling.py`); its keys are the prefill calls' and these, compiled at warm-up (it
+        never decodes or samples). True if this added keys."""
         if self.pooling_type == pooling_type:
             return False
+        if self.pooling_type is None and len(self.executables):
+            raise ValueError("runner= belongs to a generating engine: a pooling engine cannot "
+                             "share it")
         if self.pooling_type is not None:
             raise ValueError(f"this runner pools with {self.pooling_type!r}, not "
                              f"{pooling_type!r}: runner= shares one pooling type")
@@ -290,6 +296,8 @@ class ModelRunner:
                               time.perf_counter() - step.started)
 
     def _sample(self, call: ModelCall, logits, hidden, bitmask):
+        if self.pooling_type is not None:
+            return None, None, self._pool(call, hidden)
         arrays = self.sampling_arrays(call.rows, bitmask)
         kind, verify = ("sample", ()) if call.verify is None else ("verify_sample", call.verify)
         *sampled, self.kept_tokens = self._run(
@@ -299,13 +307,14 @@ class ModelRunner:
         if call.want_prompt_logprobs:
             prompt_lp = self._run(SampleKey("prompt_logprobs", call.key.tokens),
                                   (self.params, hidden, call.targets))
-        pooled = None
-        if any(chunk.pool for chunk in call.chunks):
-            pooled = self._run(SampleKey("pool", call.key.tokens),
-                               (hidden, *self.layout.pool_inputs(call)))
         if self.tp is not None:
-            sampled, prompt_lp, pooled = self.tp.to_host((sampled, prompt_lp, pooled))
-        return sampled, prompt_lp, pooled
+            sampled, prompt_lp = self.tp.to_host((sampled, prompt_lp))
+        return sampled, prompt_lp, None
+
+    def _pool(self, call: ModelCall, hidden):
+        """A pooling engine's prefill call: one vector per chunk (`pooling.py`)."""
+        return self._run(SampleKey("pool", call.key.tokens),
+                         (hidden, *self.layout.pool_inputs(call)))
 
     def execute(self, plan: StepPlan, next_tokens: dict[int, int]) -> StepResult:
         """`next_tokens[seq_id]`: the token after a prefill chunk (for prompt logprobs), -1 if none."""
@@ -322,6 +331,11 @@ class ModelRunner:
         plan, next_tokens = step.plan, step.next_tokens
         result = StepResult(sampled={}, prompt_logprobs={})
         for call, (sampled, prompt_lp, pooled) in step.pending:
+            if pooled is not None:
+                vectors = np.asarray(pooled)
+                result.pooled.update((chunk.seq_id, vectors[i])
+                                     for i, chunk in enumerate(call.chunks) if chunk.pool)
+                continue
             tokens, logprob = np.asarray(sampled[0]), np.asarray(sampled[1])
             if self.kept_probs is not None:
                 self._keep_probs(call.rows, sampled[4])
@@ -345,10 +359,6 @@ class ModelRunner:
                 if chunk.prompt_logprobs is not None:
                     result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
                         chunk, q0, next_tokens.get(chunk.seq_id, -1), prompt_lp)
-            if pooled is not None:
-                vectors = np.asarray(pooled)
-                result.pooled.update((chunk.seq_id, vectors[i])
-                                     for i, chunk in enumerate(call.chunks) if chunk.pool)
         result.timings["dispatch_s"] = step.dispatch_seconds
         result.timings["collect_s"] = time.perf_counter() - start
         return result
