@@ -2,13 +2,14 @@
 their sentence-transformers files say equal Hugging Face's last hidden state pooled the same
 way; a request alone equals it in a batch; a prompt longer than a chunk pools across chunks;
 KV is freed at once; Matryoshka `dimensions` where the checkpoint allows it, a ValueError
-elsewhere; the two runners refuse each other's requests."""
+elsewhere; the two runners refuse each other's requests and runners."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from jaxbatch import LLM, SamplingParams
+from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.pooling_params import PoolingParams
 from embedding_models import hf_embedding, write_embedding_checkpoint
 
@@ -73,6 +74,9 @@ def test_matryoshka_dimensions_where_the_checkpoint_lists_them(tmp_path):
     with pytest.raises(ValueError, match="does not generate"):
         llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+    shapes = {k: v for k, v in ENGINE.items() if k != "runner"}
+    with pytest.raises(ValueError, match="belongs to a pooling engine"):
+        LLMEngine(loaded=llm.llm_engine.loaded, runner=llm.llm_engine.runner, **shapes)
 
     write_embedding_checkpoint("llama", str(tmp_path / "plain"), seed=3)
     plain = LLM(str(tmp_path / "plain"), **ENGINE)
