@@ -123,6 +123,10 @@ class DataParallelEngine(EngineBase):
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
+
     def prepare_for_serving(self) -> None:
         for r in self.replicas:
             r.prepare_for_serving()
