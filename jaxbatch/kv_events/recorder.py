@@ -53,6 +53,7 @@ class KVEventRecorder:
         self._pending: list = []
         self._closed = False
         self.num_events = 0
+        self.num_batches = 0          # batches handed to the publisher (sequence numbers)
 
     # ---- the observer (called by the prefix index) ---------------------------------------
     def stored(self, key: bytes, token_ids: tuple[int, ...], origin) -> None:
@@ -96,6 +97,7 @@ class KVEventRecorder:
             return
         events, self._pending = self._pending, []
         self.num_events += len(events)
+        self.num_batches += 1
         self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def close(self) -> None:
