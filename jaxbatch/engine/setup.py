@@ -193,20 +193,23 @@ def kv_events(config: EngineConfig, sched: SchedulerConfig, scheduler, lora):
             "prefix_cache_granularity='block' behind a KV-event router", sched.prefill_chunk_size)
     try:
         from jaxbatch.kv_events.publisher import ZmqEventPublisher
-        from jaxbatch.kv_events.recorder import BlockOrigin, KVEventRecorder
+        from jaxbatch.kv_events.recorder import KVEventRecorder
     except ImportError as e:
         raise ValueError(f"kv_events_config needs pyzmq, msgspec and cbor2 "
                          f"(pip install 'jaxbatch[kv-events]'): {e}") from None
-
-    def origin_of(seq) -> BlockOrigin:
-        request = lora.known.get(seq.lora_int_id) if lora is not None else None
-        salt = user_cache_salt(seq.params.cache_salt, request)
-        if request is None:
-            return BlockOrigin(cache_salt=salt)
-        return BlockOrigin(request.lora_int_id, request.lora_name, request.lora_path, salt)
-
-    recorder = KVEventRecorder(events, sched.block_size,
-                               ZmqEventPublisher(events), origin_of,
+    recorder = KVEventRecorder(events, sched.block_size, ZmqEventPublisher(events),
+                               lambda seq: block_origin(seq, lora),
                                memo_size=max(1 << 16, 4 * sched.num_blocks))
     scheduler.kv_cache.observe(recorder)
     return recorder
+
+
+def block_origin(seq, lora):
+    """What vLLM hashes besides a sequence's tokens: its adapter (from the LoRA manager, or
+    None) and the salt its user gave (the engine's salt also names the adapter)."""
+    from jaxbatch.kv_events.recorder import BlockOrigin
+    request = lora.known.get(seq.lora_int_id) if lora is not None else None
+    salt = user_cache_salt(seq.params.cache_salt, request)
+    if request is None:
+        return BlockOrigin(cache_salt=salt)
+    return BlockOrigin(request.lora_int_id, request.lora_name, request.lora_path, salt)

@@ -196,3 +196,20 @@ def test_chunk_granularity_with_events_warns_and_events_off_cost_nothing(caplog)
     off = setup.kv_events(EngineConfig.from_kwargs(), sched_config, Scheduler(sched_config, (2,)),
                           None)
     assert off is NO_KV_EVENTS
+
+
+def test_a_lora_sequence_is_hashed_with_its_adapter_and_its_users_salt():
+    from types import SimpleNamespace
+
+    from jaxbatch.core.request import Sequence
+    from jaxbatch.kv_events.recorder import BlockOrigin
+    from jaxbatch.lora.request import LoRARequest, lora_cache_salt
+    adapter = LoRARequest("sql", 7, "/adapters/sql")
+    lora = SimpleNamespace(known={7: adapter})
+    for user_salt in ("t1", None):
+        seq = Sequence(0, "r", 0, [1, 2, 3], SamplingParams(
+            cache_salt=lora_cache_salt(user_salt, adapter)), 0, 0.0, 0)
+        seq.lora_int_id = 7
+        assert setup.block_origin(seq, lora) == BlockOrigin(7, "sql", "/adapters/sql", user_salt)
+    plain = Sequence(1, "r", 0, [1, 2, 3], SamplingParams(cache_salt="t2"), 0, 0.0, 0)
+    assert setup.block_origin(plain, None) == BlockOrigin(cache_salt="t2")

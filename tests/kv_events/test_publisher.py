@@ -126,3 +126,15 @@ def test_config_defaults_are_vllms():
         "zmq", "tcp://*:5557", None, "")
     assert (on.buffer_steps, on.hwm, on.max_queue_size) == (10_000, 100_000, 100_000)
     assert on.publishes and not KVEventsConfig.from_dict({}).publishes
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"enable_prefix_caching": False}, "enable_prefix_caching"),
+    ({"num_processes": 2, "coordinator_address": "127.0.0.1:1"}, "num_processes"),
+])
+def test_engine_options_refuse_events_they_cannot_describe(options, message):
+    from jaxbatch.engine.config import EngineConfig
+    events = {"enable_kv_cache_events": True}
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(kv_events_config=events, **options)
+    EngineConfig.from_kwargs(kv_events_config={**events, "publisher": "null"}, **options)
