@@ -39,9 +39,38 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(s)      # every engine option, from jaxbatch/engine/config.py
+    add_server_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--timeout-header-read", type=float, default=10.0,
+                   help="close a connection that takes longer to send a request's headers")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="close a keep-alive connection idle this long")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before abort")
+    s.add_argument("--log-level", default="info")
+    # --- ray-serve: the same server as replicas on a Ray cluster (entrypoints/ray_cluster/)
+    r = sub.add_parser("ray-serve", help="the same server as replicas on a Ray cluster",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_flags(r)
+    from jaxbatch.entrypoints.ray_cluster.flags import add_ray_flags
+    add_ray_flags(r)
+    # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
+    sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
+    return ap
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """The flags of one server, without those of its HTTP listener (host, port, timeouts)."""
+    p = argparse.ArgumentParser(prog="jaxbatch serve")
+    add_server_flags(p)
+    return p
+
+
+def add_server_flags(s: argparse.ArgumentParser) -> None:
+    """What one server (one engine and its HTTP front) is: `serve` and every `ray-serve`
+    replica take the same flags."""
+    add_engine_flags(s)      # every engine option, from jaxbatch/engine/config.py
     s.add_argument("--served-model-name", default=None,
                    help="the name /v1/models lists and requests use (default: MODEL as given)")
     s.add_argument("--max-num-queued-reqs", type=_positive, default=None,
@@ -53,20 +82,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="413 for a larger request body, checked while it is read")
     s.add_argument("--max-concurrent-requests", type=_positive, default=None,
                    help="503 beyond this many requests in flight (/health, /metrics exempt)")
-    s.add_argument("--timeout-header-read", type=float, default=10.0,
-                   help="close a connection that takes longer to send a request's headers")
-    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="close a keep-alive connection idle this long")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow chat_template in requests (rendered in a killable subprocess "
                         "with time, size and memory limits); refused with 400 otherwise")
     s.add_argument("--api-key", default=os.environ.get("JAXBATCH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (env JAXBATCH_API_KEY)")
-    s.add_argument("--shutdown-timeout", type=float, default=0.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish before abort")
-    s.add_argument("--log-level", default="info")
-    # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
-    sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
     # Tool calls parsed from free text (tool_choice "auto"): entrypoints/openai/tool_parsers.py
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
@@ -74,34 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     # LoRA adapters a request may name in "model" (entrypoints/openai/lora_routes.py)
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT adapters served under NAME (needs --enable-lora)")
-    return ap
 
 
 def serve(args) -> int:
-    from jaxbatch.entrypoints.openai.app import build_app
-
     kwargs = engine_kwargs_from_args(args)
     EngineConfig.from_kwargs(**kwargs)     # refuse bad options now, not on the engine thread
-    model = kwargs.pop("model")
     if args.num_processes > 1:
         # Here, on the main thread, before uvicorn installs its signal handlers (multihost.py).
         from jaxbatch.engine import multihost
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.process_id != 0:
-            return follow(model, kwargs)
-
-    from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, parse_lora_modules
-    name = args.served_model_name or model or DEFAULT_MODEL_NAME
-    lora = LoRARegistry(name, kwargs.get("enable_lora", False),
-                        parse_lora_modules(args.lora_modules))    # ValueError: exit 2
-
-    def engine_factory():   # runs on the engine thread, after the port is bound
-        from jaxbatch.engine.build import build_engine
-        engine = build_engine(model, **kwargs)
-        lora.check_at_start(engine)    # a bad adapter: the server refuses to start, saying why
-        engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
-        _freeze_startup_heap()
-        return engine
+            return follow(kwargs.pop("model"), kwargs)
 
     failed = []
 
@@ -112,18 +115,9 @@ def serve(args) -> int:
             failed.append(exc)
             server.should_exit = True
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+    app = server_app(args, on_engine_dead)
+    if app is None:
         return 2
-    app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
-                    api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
-                    on_engine_dead=on_engine_dead,
-                    trust_request_chat_template=args.trust_request_chat_template,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    max_concurrent_requests=args.max_concurrent_requests,
-                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    lora=lora)
     _raise_fd_limit()
     # The engine thread and the event loop share the GIL. When the engine thread comes back
     # from the device wanting it while the loop is writing a step's chunks, CPython hands it
@@ -151,6 +145,42 @@ def serve(args) -> int:
         print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def server_app(args, on_engine_dead=None):
+    """The FastAPI app of one server from its flags (`add_server_flags`): what `serve` runs
+    under uvicorn and what each `ray-serve` replica runs in its actor. None (said on stderr)
+    for flags that contradict each other; ValueError for a bad option."""
+    from jaxbatch.entrypoints.openai.app import build_app
+    from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, parse_lora_modules
+
+    kwargs = engine_kwargs_from_args(args)
+    model = kwargs.pop("model")
+    name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    lora = LoRARegistry(name, kwargs.get("enable_lora", False),
+                        parse_lora_modules(args.lora_modules))    # ValueError: exit 2
+
+    def engine_factory():   # runs on the engine thread, after the port is bound
+        from jaxbatch.engine.build import build_engine
+        engine = build_engine(model, **kwargs)
+        lora.check_at_start(engine)    # a bad adapter: the server refuses to start, saying why
+        engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
+        _freeze_startup_heap()
+        return engine
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return None
+    return build_app(engine_factory, served_model_name=name,
+                     model_root=model or DEFAULT_MODEL_NAME,
+                     api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
+                     on_engine_dead=on_engine_dead,
+                     trust_request_chat_template=args.trust_request_chat_template,
+                     max_prompts_per_request=args.max_prompts_per_request,
+                     max_request_body_bytes=args.max_request_body_bytes,
+                     max_concurrent_requests=args.max_concurrent_requests,
+                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     lora=lora)
 
 
 def _freeze_startup_heap() -> None:
@@ -225,11 +255,14 @@ def main(argv=None) -> int:
         from jaxbatch.benchmarks.registry import main as bench
         return bench(argv[1:])
     args = _parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "ray-serve"):
         try:
+            if args.command == "ray-serve":
+                from jaxbatch.entrypoints.ray_cluster.deploy import main as ray_serve
+                return ray_serve(args)
             return serve(args)
         except ValueError as e:         # a bad option: said in one line, exit 2 like argparse
-            print(f"jaxbatch serve: error: {e}", file=sys.stderr)
+            print(f"jaxbatch {args.command}: error: {e}", file=sys.stderr)
             return 2
     return 2
 
