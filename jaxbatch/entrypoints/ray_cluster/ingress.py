@@ -11,8 +11,8 @@ What only the ingress can answer:
   else an error event closing the stream (`data: {"error": ...}`, then `data: [DONE]`). Only
   that replica's requests see it; Ray starts a replacement.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads this class's route signatures through
+# Ray Serve's class-based view, which needs the annotations as objects.
 import json
 import logging
 

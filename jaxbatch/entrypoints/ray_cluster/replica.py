@@ -64,8 +64,11 @@ class EngineReplica:
             raise RuntimeError(f"the engine thread died: {self.llm.error!r}")
 
     async def __del__(self):
-        self._pusher.cancel()
-        with contextlib.suppress(Exception):
-            await self._board.drop.remote(self.replica_id)
-        await self.llm.drain(self.drain_timeout_s)
-        await self._lifespan.__aexit__(None, None, None)
+        pusher = getattr(self, "_pusher", None)      # absent if the constructor failed
+        if pusher is not None:
+            pusher.cancel()
+            with contextlib.suppress(Exception):
+                await self._board.drop.remote(self.replica_id)
+            await self.llm.drain(self.drain_timeout_s)
+        if getattr(self, "_lifespan", None) is not None:
+            await self._lifespan.__aexit__(None, None, None)
