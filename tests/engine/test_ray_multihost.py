@@ -42,7 +42,8 @@ def test_two_ray_placed_processes_give_the_tokens_of_one():
         assert len({p["node"] for p in engine.placed}) == 2          # one process per node
         assert [(p["local_devices"], p["devices"]) for p in engine.placed] == [(2, 4)] * 2
         # Two batches: the follower returns from one and follows the next.
-        outs = engine.generate(prompts[:4], params[:4]) + engine.generate(prompts[4:], params[4:])
+        outs = (engine.generate(prompts[:4], params[:4], timeout=300)
+                + engine.generate(prompts[4:], params[4:], timeout=300))
         stats = engine.stats()
         assert stats["tensor_parallel_size"] == 4
         assert stats["num_free_blocks"] == stats["num_total_blocks"]

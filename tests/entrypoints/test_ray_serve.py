@@ -4,7 +4,6 @@ Llama behind Ray Serve's HTTP proxy, driven by the official openai client."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 import httpx
@@ -144,8 +143,9 @@ def test_a_shared_prefix_stays_on_the_replica_that_holds_it(two_replicas):
                                             else None)(
         metric_per_replica(base, "vllm:prefix_cache_hits_total")), 20)
     assert set(hits) == {home_a, home_b}          # every replica's metrics, labelled
-    successes = metric_per_replica(base, "vllm:request_success_total")
-    assert successes[home_a] == successes[home_b] == 4
+    # Four requests each (the replicas push their metrics every second: wait for the last).
+    wait_for("every success counted", lambda: metric_per_replica(
+        base, "vllm:request_success_total") == {home_a: 4.0, home_b: 4.0}, 20)
 
 
 def test_fields_work_as_on_one_server(two_replicas):

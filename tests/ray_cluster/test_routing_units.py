@@ -17,6 +17,8 @@ def test_prefix_index_matches_whole_chunks_of_what_a_replica_was_sent():
     assert index.matched("r1", "abcdefgh-zz") == 8
     assert index.matched("r1", "abcdXfgh") == 4           # a chain: no match past a change
     assert index.matched("r1", "xbcdefgh") == 0
+    index.record("r1", "wxyz1234")
+    assert index.matched("r1", "wxyzefgh") == 4      # "efgh" was sent, but after "abcd"
     assert index.matched("r2", "abcdefgh") == 0
     index.forget("r1")
     assert index.matched("r1", "abcdefgh") == 0

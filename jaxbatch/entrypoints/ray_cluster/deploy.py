@@ -22,7 +22,7 @@ ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "JaxbatchEngine", "JaxbatchIngress"
 def server_args_of(server_argv: Sequence[str] | argparse.Namespace | None) -> argparse.Namespace:
     """Every replica's `jaxbatch serve` flags, checked here (a ValueError before any replica
     starts, not a replica failing to start)."""
-    from jaxbatch.entrypoints.cli import server_parser
+    from jaxbatch.entrypoints.server_app import server_parser
     args = (server_argv if isinstance(server_argv, argparse.Namespace)
             else server_parser().parse_args(list(server_argv or [])))
     EngineConfig.from_kwargs(**engine_kwargs_from_args(args))

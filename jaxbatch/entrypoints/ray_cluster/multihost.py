@@ -71,9 +71,11 @@ class RayMultiHostEngine:
         self.placed = placed      # per process: its node and devices
         self._lock = threading.Lock()
 
-    def generate(self, prompts, params=None):
+    def generate(self, prompts, params=None, timeout: float | None = None):
+        """`timeout`: seconds before ray.exceptions.GetTimeoutError (a process that stopped
+        following leaves the others waiting in a collective)."""
         with self._lock:       # one batch at a time, as LLM.generate on process 0 would
-            return ray.get(self.processes[0].generate.remote(prompts, params))
+            return ray.get(self.processes[0].generate.remote(prompts, params), timeout=timeout)
 
     def stats(self) -> dict:
         return ray.get(self.processes[0].stats.remote())

@@ -1,5 +1,5 @@
 """One engine replica of the Ray Serve deployment: the FastAPI app `jaxbatch serve` runs (built
-from the same flags by cli.server_app), with its engine thread, run inside the replica's actor.
+from the same flags by server_app.py), with its engine thread, run inside the replica's actor.
 
 - Ready only once the engine is loaded and warm (the async constructor waits), so Ray routes
   nothing to a replica that would answer 503.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
 import ray
 from ray import serve
@@ -25,12 +24,10 @@ from jaxbatch.entrypoints.ray_cluster.asgi_bridge import ForwardedRequest, Respo
 
 REPLICA_HEADER = b"x-jaxbatch-replica"
 
-logger = logging.getLogger(__name__)
-
 
 class EngineReplica:
     async def __init__(self, server_args, app_name: str, drain_timeout_s: float = 5.0):
-        from jaxbatch.entrypoints.cli import server_app
+        from jaxbatch.entrypoints.server_app import server_app
         app = server_app(server_args)
         if app is None:
             raise ValueError("contradictory server flags (see the replica's log)")

@@ -13,14 +13,11 @@ builds it, that is every request.
 """
 from __future__ import annotations
 
-import logging
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from jaxbatch.core.replica_choice import rank_replicas
 from jaxbatch.entrypoints.ray_cluster.prefix_index import PrefixIndex
-
-logger = logging.getLogger(__name__)
 
 
 def routing_key_of(request: PendingRequest | None) -> str:
