@@ -54,3 +54,13 @@ def test_metrics_merge_labels_every_sample_with_its_replica():
     samples = [s for f in text_string_to_metric_families(merged) for s in f.samples]
     assert {(s.labels["replica"], s.value) for s in samples} == {("a", 2.0), ("b", 5.0)}
     assert merged.count("# TYPE vllm:num_requests_running gauge") == 1
+
+
+def test_ray_serve_refuses_contradictory_flags_before_starting_ray():
+    from jaxbatch.entrypoints.cli import main
+    assert main(["ray-serve", "--num-replicas", "2", "--autoscaling-config",
+                 '{"max_replicas": 2}']) == 2
+    assert main(["ray-serve", "--num-processes", "2", "--coordinator-address", "h:1",
+                 "--process-id", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["ray-serve", "--autoscaling-config", "[1]"])

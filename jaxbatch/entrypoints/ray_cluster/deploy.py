@@ -34,6 +34,13 @@ def server_args_of(server_argv: Sequence[str] | argparse.Namespace | None) -> ar
     return args
 
 
+def scale_options(num_replicas: int | None, autoscaling_config: dict | None) -> dict:
+    if num_replicas is not None and autoscaling_config is not None:
+        raise ValueError("give num_replicas or autoscaling_config, not both")
+    return ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
+            else {"num_replicas": num_replicas or 1})
+
+
 def build_application(server_argv: Sequence[str] | argparse.Namespace | None = None, *,
                       num_replicas: int | None = None, autoscaling_config: dict | None = None,
                       replica_num_cpus: float = 1.0, replica_num_gpus: float = 0.0,
@@ -50,10 +57,7 @@ def build_application(server_argv: Sequence[str] | argparse.Namespace | None = N
     from jaxbatch.entrypoints.ray_cluster.router import PrefixAffinityRouter
 
     args = server_args_of(server_argv)
-    if num_replicas is not None and autoscaling_config is not None:
-        raise ValueError("give num_replicas or autoscaling_config, not both")
-    scale = ({"autoscaling_config": autoscaling_config} if autoscaling_config is not None
-             else {"num_replicas": num_replicas or 1})
+    scale = scale_options(num_replicas, autoscaling_config)
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": replica_num_cpus, "num_gpus": replica_num_gpus},
@@ -93,6 +97,7 @@ def main(args: argparse.Namespace) -> int:
     server_args = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                         if k not in ray_flags and k != "command"})
     server_args = server_args_of(server_args)
+    scale_options(ray_opts["num_replicas"], ray_opts["autoscaling_config"])   # before Ray starts
     ray.init(address=ray_opts.pop("ray_address"))
     ray_opts["graceful_shutdown_timeout_s"] = ray_opts.pop("graceful_shutdown_timeout")
     url = deploy(server_args, **ray_opts)

@@ -33,8 +33,8 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--app-name", default="jaxbatch")
     p.add_argument("--route-prefix", default="/")
     p.add_argument("--num-replicas", type=_at_least(1), default=None,
-                   help="a fixed number of engine replicas (default 1; not with "
-                        "--autoscaling-config)")
+                   help="a fixed number of engine replicas (1 if neither this nor "
+                        "--autoscaling-config is given)")
     p.add_argument("--autoscaling-config", type=_json_object, default=None,
                    help='Ray Serve\'s autoscaling_config as JSON, e.g. {"min_replicas": 1, '
                         '"max_replicas": 4, "target_ongoing_requests": 8}')
