@@ -27,7 +27,6 @@ import numpy as np
 from jaxbatch.core.request import Sequence, SequenceStatus
 from jaxbatch.core.scheduler import Scheduler
 from jaxbatch.engine import pooling, setup
-from jaxbatch.engine.config import EngineConfig
 from jaxbatch.engine.interface import EngineBase
 from jaxbatch.engine.output_processor import OutputProcessor, RequestState
 from jaxbatch.lora.request import lora_cache_salt
@@ -53,9 +52,8 @@ class LLMEngine(EngineBase):
         `devices`: the devices tensor parallelism splits over (default: jax's, every
         process's). Replicas (`data_parallel_size`) and several processes (`num_processes`)
         are other engines: `jaxbatch.engine.build.build_engine` (or `LLM`) makes them."""
-        runner, options = setup.runner_option(runner, options)   # runner="pooling": an option
-        config = EngineConfig.from_kwargs(model=model, **options)   # checks every combination
-        config.check_engine_args(runner=runner, devices=devices)   # ... and these, before loading
+        # Every combination checked, runner= and devices= too, before anything loads.
+        config, runner = setup.engine_config(model, runner, devices, options)
         par = config.parallel
         if par.data_parallel_size != 1 or par.num_processes != 1:
             raise ValueError("data_parallel_size / num_processes above 1 make another kind of "
@@ -89,6 +87,8 @@ class LLMEngine(EngineBase):
         self.runner = runner
         # LoRA adapters (jaxbatch/lora/): the manager, or None without enable_lora.
         self.lora = setup.lora_manager(config, runner, self.scheduler)
+        # KV events (jaxbatch/kv_events/): the prefix cache's observer (a no-op one if off)
+        self.kv_events = setup.kv_events(config, self.config, self.scheduler, self.lora)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   eos)
@@ -266,7 +266,12 @@ class LLMEngine(EngineBase):
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks in use stay with their sequences)."""
         self.scheduler.reset_prefix_cache()
+        self.kv_events.flush()
         return True
+
+    def shutdown(self) -> None:
+        """Publishes the last KV events and closes their sockets."""
+        self.kv_events.close()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.outputs) > 0
@@ -320,6 +325,7 @@ class LLMEngine(EngineBase):
                 self._in_flight = dispatched
             else:       # (a step only of sequences that ended meanwhile is not left pending)
                 outputs += self._finish_step(dispatched)
+        self.kv_events.flush()      # what the prefix cache did this step, as one batch
         return outputs
 
     def _has_live_sequence(self, plan) -> bool:
@@ -376,7 +382,6 @@ class LLMEngine(EngineBase):
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
-        blocks = self.scheduler.blocks
         speculation = self.scheduler.speculation
         # Requests, not sequences (n=8 is one request), for vllm:num_requests_*.
         running = {s.request_id for s in self.scheduler.running}
@@ -386,8 +391,7 @@ class LLMEngine(EngineBase):
             "num_waiting": len(self.scheduler.waiting),
             "num_running_requests": len(running),
             "num_waiting_requests": len({s.request_id for s in self.scheduler.waiting} - running),
-            "num_free_blocks": blocks.num_free_blocks,
-            "num_total_blocks": blocks.num_total_blocks,
+            **self.scheduler.kv_cache.stats(),   # the pool and the prefix cache
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.runner.num_compilations,
             "num_compilations_after_warmup": len(self.runner.compilations_after_warmup),
@@ -410,10 +414,6 @@ class LLMEngine(EngineBase):
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
-            "enable_prefix_caching": self.config.enable_prefix_caching,
-            "prefix_cache_granularity": self.config.prefix_cache_granularity,
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(speculation.stats() if speculation is not None else NO_SPECULATION_STATS),
             **self.structured.stats(),        # structured outputs: structured_* counters
             **(self.lora.stats() if self.lora is not None else {}),   # LoRA: lora_* counters

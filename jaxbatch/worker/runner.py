@@ -161,12 +161,9 @@ class ModelRunner:
         never decodes or samples). True if this added keys."""
         if self.pooling_type == pooling_type:
             return False
-        if self.pooling_type is None and len(self.executables):
-            raise ValueError("runner= belongs to a generating engine: a pooling engine cannot "
-                             "share it")
-        if self.pooling_type is not None:
-            raise ValueError(f"this runner pools with {self.pooling_type!r}, not "
-                             f"{pooling_type!r}: runner= shares one pooling type")
+        if self.pooling_type is not None or len(self.executables):
+            raise ValueError("runner= is shared only by engines of one kind: this one already "
+                             f"{'pools' if self.pooling_type else 'generates'}")
         self.pooling_type = pooling_type
         self.executables.functions["pool"] = (functools.partial(
             pooling.pool_step, pooling.POOLERS[pooling_type],
