@@ -20,6 +20,8 @@ INSTRUMENTS = {
     "throughput-hf": ("hf_baselines", "jaxbatch bench throughput + HF generate / generate_batch"),
     "throughput-gpu": ("throughput_gpu", "throughput on a GPU: random 1B/8B shapes, MBU"),
     "gpu-e2e": ("gpu_e2e", "the GPU end-to-end harness (scripts/gpu_check.sh runs it)"),
+    "random-checkpoint": ("random_checkpoint", "a random-weight HF checkpoint of a real shape "
+                          "(TinyLlama-1.1B, Llama 1B/8B) with the embedded tokenizer"),
     "scaleout": ("scaleout", "tensor / data parallel throughput against one engine"),
     # diagnostics
     "overlap": ("overlap", "host/device overlap (async scheduling) on vs off"),

@@ -1,4 +1,5 @@
-"""What int8 quantization costs in accuracy, against the full-precision model.
+"""What int8 quantization (weight-only, and W8A8) costs in accuracy, against the
+full-precision model.
 
     python -m benchmarks accuracy [--dtype float32] [--window 512] [--out accuracy_out]
     (bf16 against float32: python -m benchmarks accuracy-bf16, which reuses this harness)
@@ -12,7 +13,8 @@ is compared with the full-precision one (same dtype, float KV cache, float weigh
   top-1 agreement   argmax equal
   mean KL           KL(full || variant), nats, averaged over positions
   perplexity        exp(mean NLL of the text's actual next token); change in %
-Variants: int8 KV cache, int8 weights, both. Then greedy generations of a few chat prompts side
+Variants: int8 KV cache, int8 weights, both, and W8A8 (the int8 weights against activations
+quantized per token: the jnp reference, which the CPU kernel equals bit for bit). Then greedy generations of a few chat prompts side
 by side, from an LLMEngine per variant. Writes accuracy.json and prints a markdown summary.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ VARIANTS = {  # name: (kv_cache_dtype, quantization)
     "int8_kv": ("int8", None),
     "int8_weights": ("auto", "int8"),
     "int8_both": ("int8", "int8"),
+    "w8a8": ("auto", "w8a8"),
 }
 # From measurements on the embedded model (issue 13): top-1 >=, mean KL <=, |ppl change| <= %.
 TARGETS = {"int8_kv": (0.96, 0.005, 0.5), "int8_weights": (0.94, 0.01, 1.0),
@@ -51,8 +54,8 @@ PROMPTS = ["What is the capital of France, and what is it known for?",
            "Give three tips for someone baking bread for the first time."]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq):
+@functools.partial(jax.jit, static_argnames=("cfg", "quantization"))
+def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq, quantization=None):
     """tokens [C] at positions start .. start + C of one sequence whose pages are blocks
     1, 2, ... -> (log-probabilities [C, V] float32, updated pool)."""
     chunk = tokens.shape[0]
@@ -64,7 +67,7 @@ def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq):
             jnp.asarray([0, chunk], jnp.int32), jnp.int32(1))
     attend = attention.get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
     hidden, pool = reference_forward(params, cfg, pool, tokens, positions, slots, attend,
-                                        inv_freq)
+                                     inv_freq, quantization)
     return jax.nn.log_softmax(compute_logits(reference_params(params), hidden), axis=-1), pool
 
 
@@ -77,7 +80,7 @@ def compare(full_lp, lp, targets):
     return agree, kl, nll
 
 
-def window_logprobs(params, cfg, kv_dtype, dtype, tokens, chunk, inv_freq):
+def window_logprobs(params, cfg, kv_dtype, dtype, tokens, chunk, inv_freq, quantization=None):
     """Teacher-forced log-probs [len(tokens), V] of one window, prefilled chunk by chunk."""
     pages = -(-len(tokens) // BLOCK_SIZE)
     # bf16 pages are stored as uint16 bits on CPU (jaxbatch/model/precision.py).
@@ -87,7 +90,7 @@ def window_logprobs(params, cfg, kv_dtype, dtype, tokens, chunk, inv_freq):
     for start in range(0, len(tokens), chunk):
         piece = jnp.asarray(tokens[start:start + chunk], jnp.int32)
         lp, pool = _chunk_logprobs(params, pool, piece, jnp.int32(start), cfg=cfg,
-                                   inv_freq=inv_freq)
+                                   inv_freq=inv_freq, quantization=quantization)
         out.append(lp)
     return jnp.concatenate(out)
 
@@ -103,7 +106,7 @@ def teacher_forced(models, cfg, dtype, ids, window, chunk):
         full = window_logprobs(models[None], cfg, "auto", dtype, w, chunk, inv_freq)[:-1]
         for name, (kv_dtype, quant) in VARIANTS.items():
             lp = full if name == "full" else window_logprobs(
-                models[quant], cfg, kv_dtype, dtype, w, chunk, inv_freq)[:-1]
+                models[quant], cfg, kv_dtype, dtype, w, chunk, inv_freq, quant)[:-1]
             for key, arr in zip(("agree", "kl", "nll"), compare(full, lp, targets)):
                 per[name][key].append(np.asarray(arr, np.float64))
     summary = {}
@@ -191,9 +194,10 @@ def main(argv=None) -> dict:
         ap.error("--window must be a multiple of --chunk")
     start = time.perf_counter()
     loaded = {q: load_model(args.model, args.dtype, quantization=q) for q in (None, "int8")}
+    loaded["w8a8"] = loaded["int8"]                 # the same int8 weights
     cfg = loaded[None].config
     ids = list(loaded[None].tokenizer(Path(args.text).read_text())["input_ids"])
-    models = {q: reference_params(m.params) for q, m in loaded.items()}
+    models = {q: reference_params(m.params, q) for q, m in loaded.items()}
     summary, windows, tokens = teacher_forced(models, cfg, jnp.dtype(args.dtype), ids,
                                               args.window, args.chunk)
     report = {"dtype": args.dtype, "window": args.window, "chunk": args.chunk,

@@ -10,7 +10,12 @@ and jaxbatch's `prefix_cache_granularity="block"` (vLLM's: its 25 distinct promp
 than one of jaxbatch's 256-token prefill chunks, so the default "chunk" rule would share none).
 
     python -m benchmarks vs-vllm [--prefix-caching off on] [--rounds 2] [--omp-bind 0-1]
-        [--jaxbatch-dtypes bfloat16 float32] [--vllm-dtypes bfloat16 float32] [--hf-dtypes float32]
+        [--jaxbatch-dtypes bfloat16 float32 w8a8] [--vllm-dtypes bfloat16 float32] [--hf-dtypes float32]
+        [--model HF_DIR]
+
+`w8a8` among the jaxbatch dtypes: bf16 activations, quantization="w8a8". `--model` gives both
+engines one checkpoint (`python -m benchmarks random-checkpoint` writes one of a real shape);
+without it jaxbatch runs the embedded model and vLLM its export (--vllm-model).
 
 Needs the vLLM venv (scripts/setup_vllm_cpu.sh) and the exported model
 (scripts/export_safetensors.py). vLLM's CPU backend by default computes on one core and keeps
@@ -33,7 +38,10 @@ from jaxbatch.benchmarks.workloads import make_workload
 
 def run_jaxbatch(args, caching: str, out_dir: Path, dtype: str) -> float:
     workload = make_workload(48)
-    spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048, "dtype": dtype,
+    quantization = "w8a8" if dtype == "w8a8" else None
+    spec = {"llm_kwargs": {"max_num_seqs": 16, "max_model_len": 2048,
+                           "dtype": "bfloat16" if quantization else dtype,
+                           "quantization": quantization, "model": args.model,
                            "enable_prefix_caching": caching == "on",
                            # vLLM caches in whole blocks: the like-for-like setting
                            "prefix_cache_granularity": "block",
@@ -78,10 +86,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--vllm-model", default=str(REPO / "hf_export/SmolLM2-135M-Instruct"))
+    ap.add_argument("--model", default=None,
+                    help="one HF directory for every engine (default: the embedded model)")
     ap.add_argument("--omp-bind", default=None)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--jaxbatch-dtypes", nargs="+", default=["float32"],
-                    choices=("float32", "bfloat16", "auto"))
+                    choices=("float32", "bfloat16", "auto", "w8a8"))
     ap.add_argument("--vllm-dtypes", nargs="+", default=["float32"],
                     choices=("float32", "bfloat16"))
     ap.add_argument("--hf-dtypes", nargs="*", default=[], choices=("float32", "bfloat16"),
@@ -89,6 +99,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench_out/vs_vllm")
     add_price_argument(ap)
     args = ap.parse_args(argv)
+    if args.model:
+        args.vllm_model = args.model
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"argv": sys.argv, "machine": machine_info(with_jax=False), "results": {}}

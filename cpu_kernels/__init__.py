@@ -10,8 +10,11 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
     paged_prefill  prefill attention over bf16 KV pages (reference:
                    pallas_kernels.xla_paged_attention.tiled_prefill_attention_xla)
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
-                   (reference: jnp.dot with float32 accumulation; jaxbatch/model/storage.py
+                   (reference: jnp.dot with float32 accumulation; jaxbatch/worker/weight_forms.py
                    packs the weights); silu_mul, the MLP's silu(gate) * up as its epilogue
+    w8a8_gemm      x @ W for int8 weights against x quantized per row in the call (AVX512-VNNI,
+                   int32 sums; reference: pallas_kernels.w8a8.w8a8_reference, bit for bit),
+                   built from packed_gemm.cc's loop
     add_rms_norm   a residual add and the RMSNorm after it, bf16 (reference: the jnp form of
                    jaxbatch.model.layers.add_rms_norm; the same sums, norms within a bf16
                    step: IEEE sqrt and division where XLA:CPU approximates)
@@ -47,10 +50,11 @@ build.py): the engine says how the kernels are used, from its config.
 """
 from __future__ import annotations
 
-from cpu_kernels import add_rms_norm, first_argmax, packed_gemm, paged_decode, paged_prefill
+from cpu_kernels import (add_rms_norm, first_argmax, packed_gemm, paged_decode, paged_prefill,
+                         w8a8_gemm)
 from cpu_kernels.availability import configure
 
-KERNELS = (paged_decode, paged_prefill, packed_gemm, add_rms_norm, first_argmax)
+KERNELS = (paged_decode, paged_prefill, packed_gemm, w8a8_gemm, add_rms_norm, first_argmax)
 
 
 def register_all() -> tuple:

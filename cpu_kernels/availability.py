@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from cpu_kernels import build, call_log, kv_hints
 
 # The instruction sets every kernel here is compiled for.
-FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+# (Every CPU with AVX512-BF16 has AVX512-VNNI too: the W8A8 GEMM's `vpdpbusd`.)
+FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
+_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 MODES = ("auto", "off", "required")
 _MODE = "auto"
 

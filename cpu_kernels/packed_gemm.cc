@@ -73,7 +73,9 @@ struct Step;
 
 template <>
 struct Step<uint16_t> {
+  using Acc = __m512;
   static constexpr int64_t kPerStep = 2;
+  static Acc Zero() { return _mm512_setzero_ps(); }
   static __m512 Broadcast(const uint16_t* x) {
     int32_t pair;
     std::memcpy(&pair, x, sizeof(pair));
@@ -86,10 +88,31 @@ struct Step<uint16_t> {
 
 template <>
 struct Step<float> {
+  using Acc = __m512;
   static constexpr int64_t kPerStep = 1;
+  static Acc Zero() { return _mm512_setzero_ps(); }
   static __m512 Broadcast(const float* x) { return _mm512_set1_ps(*x); }
   static __m512 Madd(__m512 acc, const float* w, __m512 x) {
     return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc);
+  }
+};
+
+// W8A8: x is the row quantized to int8 and offset by 128 (unsigned, what `vpdpbusd` takes),
+// w int8; a step consumes four x values against four k values of 16 columns. The offset's
+// share, 128 times the column's sum, is taken off in the epilogue (`Problem::comp`), so the
+// int32 sum is exactly that of the signed products.
+template <>
+struct Step<uint8_t> {
+  using Acc = __m512i;
+  static constexpr int64_t kPerStep = 4;
+  static Acc Zero() { return _mm512_setzero_si512(); }
+  static __m512i Broadcast(const uint8_t* x) {
+    int32_t quad;
+    std::memcpy(&quad, x, sizeof(quad));
+    return _mm512_set1_epi32(quad);
+  }
+  static __m512i Madd(__m512i acc, const uint8_t* w, __m512i x) {
+    return _mm512_dpbusd_epi32(acc, x, _mm512_loadu_si512(w));
   }
 };
 
@@ -104,10 +127,27 @@ struct Problem {
   // that a tile holds gate block b and up block b (silu_mul true; y has n_blocks / 2 blocks).
   int64_t jump = 1;
   bool silu_mul = false;
+  // W8A8 only: each row's activation scale [M], each column's weight scale [N] and offset
+  // share [N] (128 x the column's int8 sum).
+  const float* x_scale = nullptr;
+  const float* w_scale = nullptr;
+  const int32_t* comp = nullptr;
   int64_t steps() const { return k / Step<T>::kPerStep; }
   // elements of one packed column block: steps lines of 64 bytes
   int64_t block_elems() const { return steps() * (64 / sizeof(T)); }
 };
+
+// Row `row`, column block `block` of the product as float32: the accumulator itself, or for
+// W8A8 (the int32 sum less the offset's share) x (the row's scale x the columns' scales).
+template <typename T>
+inline __m512 ToFloat(const Problem<T>&, __m512 acc, int64_t, int64_t) { return acc; }
+
+inline __m512 ToFloat(const Problem<uint8_t>& p, __m512i acc, int64_t row, int64_t block) {
+  const __m512i exact = _mm512_sub_epi32(acc, _mm512_loadu_si512(p.comp + block * 16));
+  const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(p.x_scale[row]),
+                                     _mm512_loadu_ps(p.w_scale + block * 16));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
+}
 
 // What a row tile requests while it computes, flags of its template (a tile's inner loop
 // holds only the requests it makes: every one costs registers there): kOwn, its own panel's
@@ -145,9 +185,9 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
   const int64_t steps = p.steps(), stride = p.block_elems(), jump = p.jump * stride;
   const T* x = p.x + r0 * p.k;
   const T* w = p.w + b * stride;
-  __m512 acc[MR][NB];
+  typename Step<T>::Acc acc[MR][NB];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j] = Step<T>::Zero();
   int64_t countdown = 1, q = next.first;
   const int64_t q_end = next.first + next.count;
   const char* kv_lines[kMaxKvLines];
@@ -188,7 +228,7 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
       ++q;
     }
     for (int i = 0; i < MR; ++i) {
-      const __m512 xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
+      const auto xb = Step<T>::Broadcast(x + i * p.k + s * Step<T>::kPerStep);
       for (int j = 0; j < NB; ++j)
         acc[i][j] = Step<T>::Madd(acc[i][j], w + j * jump + s * kLine, xb);
     }
@@ -196,18 +236,20 @@ void Tile(const Problem<T>& p, int64_t r0, int64_t b, const NextLines<T>& next,
   if constexpr (NB == 2) {
     if (p.silu_mul) {
       for (int i = 0; i < MR; ++i)
-        SiluMulStore(acc[i][0], acc[i][1], p.y_bf16 + (r0 + i) * p.jump * 16 + b * 16);
+        SiluMulStore(ToFloat(p, acc[i][0], r0 + i, b), ToFloat(p, acc[i][1], r0 + i, b + p.jump),
+                     p.y_bf16 + (r0 + i) * p.jump * 16 + b * 16);
       return;
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) {
       const int64_t at = (r0 + i) * p.n_blocks * 16 + (b + j) * 16;
+      const __m512 y = ToFloat(p, acc[i][j], r0 + i, b + j);
       if (p.y_bf16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y_bf16 + at),
-                            (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+                            (__m256i)_mm512_cvtneps_pbh(y));
       else
-        _mm512_storeu_ps(p.y + at, acc[i][j]);
+        _mm512_storeu_ps(p.y + at, y);
     }
 }
 
@@ -355,6 +397,114 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
                             {jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16});
 }
 
+// ---- W8A8: activations quantized per row here, int8 weights packed at load time --------
+
+// Row r of x as int8 (offset by 128) and its scale: absmax = max |x|, q = x * (127 / absmax)
+// rounded to nearest even, scale = absmax x float32(1 / 127) (q = 0 and scale 0 for a row of zeros): the
+// same float32 operations, in the same order, as the reference (`packed_gemm.w8a8_reference`).
+template <typename XT>
+__m512 LoadAsFloat(const XT* x, __mmask16 lanes) {
+  if constexpr (std::is_same_v<XT, float>) return _mm512_maskz_loadu_ps(lanes, x);
+  const __m256i bits = _mm256_maskz_loadu_epi16(lanes, x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename XT>
+void QuantizeRow(const XT* x, int64_t k, uint8_t* q, float* scale) {
+  __m512 absmax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    const __mmask16 lanes = jaxbatch_simd::FirstLanes(k - c);
+    absmax = _mm512_max_ps(absmax, _mm512_abs_ps(LoadAsFloat(x + c, lanes)));
+  }
+  const float m = _mm512_reduce_max_ps(absmax);
+  const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+  *scale = m * (1.0f / 127.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127),
+                offset = _mm512_set1_epi32(128);
+  for (int64_t c = 0; c < k; c += 16) {
+    const __mmask16 lanes = jaxbatch_simd::FirstLanes(k - c);
+    const __m512 v = _mm512_mul_ps(LoadAsFloat(x + c, lanes), _mm512_set1_ps(inv));
+    __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(r, lo), hi), offset);
+    _mm_mask_storeu_epi8(q + c, lanes, _mm512_cvtepi32_epi8(r));
+  }
+}
+
+// A W8A8 call's job: the quantized rows live as long as the call.
+struct W8A8Job : Job<uint8_t> {
+  std::unique_ptr<uint8_t[]> xq;
+  std::unique_ptr<float[]> x_scale;
+};
+
+// x [M, K] bf16 or float32; w [N / 16, K / 4, 64] int8, element [b, p, 4 j + t] =
+// W[4 p + t, 16 b + j]; w_scale [N] float32; comp [N] int32 = 128 x sum_k W[k, n]; rows [1]
+// -> y [M, N] float32 or bf16, or (kSiluMul, W = [gate | up]) [M, N / 2] bf16 silu(gate) * up.
+template <typename XT, typename X, typename Y, bool kSiluMul = false>
+ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
+                         ffi::Buffer<ffi::F32, 1> w_scale, ffi::Buffer<ffi::S32, 1> comp,
+                         ffi::Buffer<ffi::S32, 1> rows, ffi::Result<Y> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  constexpr bool kBf16Out = std::is_same_v<Y, ffi::Buffer<ffi::BF16, 2>>;
+  const int64_t out_blocks = kSiluMul ? wd[0] / 2 : wd[0];
+  if (wd[2] != 64 || xd[1] % 4 != 0 || wd[1] != xd[1] / 4 || yd[0] != xd[0] ||
+      yd[1] != out_blocks * 16 || (kSiluMul && wd[0] % 2 != 0) ||
+      w_scale.element_count() != wd[0] * 16 || comp.element_count() != wd[0] * 16 ||
+      rows.element_count() != 1)
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "w8a8_gemm", "x [M, K], w packed for K, w_scale and comp [N], rows [1], y [M, N] "
+        "expected, got x ", jaxbatch_checks::Shape(xd), ", w ", jaxbatch_checks::Shape(wd),
+        ", w_scale ", jaxbatch_checks::Shape(w_scale.dimensions()), ", comp ",
+        jaxbatch_checks::Shape(comp.dimensions()), ", rows ",
+        jaxbatch_checks::Shape(rows.dimensions()), ", y ", jaxbatch_checks::Shape(yd)));
+  auto job = std::make_shared<W8A8Job>();
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), k = xd[1];
+  float* y32 = nullptr;
+  uint16_t* y16 = nullptr;
+  if constexpr (kBf16Out)
+    y16 = reinterpret_cast<uint16_t*>(y->typed_data());
+  else
+    y32 = y->typed_data();
+  const int64_t padding = (xd[0] - m) * yd[1];
+  if (padding > 0) {
+    if constexpr (kBf16Out)
+      std::memset(y16 + m * yd[1], 0, padding * sizeof(uint16_t));
+    else
+      std::memset(y32 + m * yd[1], 0, padding * sizeof(float));
+  }
+  if (m == 0 || wd[0] == 0) return jaxbatch_pool::Ready();
+  job->xq.reset(new uint8_t[m * k]);
+  job->x_scale.reset(new float[m]);
+  const XT* xs = reinterpret_cast<const XT*>(x.typed_data());
+  for (int64_t r = 0; r < m; ++r)
+    QuantizeRow(xs + r * k, k, job->xq.get() + r * k, job->x_scale.get() + r);
+  job->p = Problem<uint8_t>{job->xq.get(), reinterpret_cast<const uint8_t*>(w.typed_data()),
+                            y32, y16, m, k, wd[0]};
+  job->p.x_scale = job->x_scale.get();
+  job->p.w_scale = w_scale.typed_data();
+  job->p.comp = comp.typed_data();
+  job->units = (wd[0] + kBlocks - 1) / kBlocks;
+  if constexpr (kSiluMul) {
+    job->p.jump = out_blocks;
+    job->p.silu_mul = true;
+    job->units = out_blocks;
+  }
+  const int64_t macs = m * k * wd[0] * 16;
+  const int64_t helpers = macs < 2 * kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
+  return jaxbatch_pool::Run(pool, job, helpers, {jaxbatch_calls::kGemm, m, k, out_blocks * 16});
+}
+
+template <typename X, typename Y>
+constexpr auto W8A8Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<X>()
+      .template Arg<ffi::Buffer<ffi::S8, 3>>()
+      .template Arg<ffi::Buffer<ffi::F32, 1>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<Y>();
+}
+
 template <typename X, typename W, typename Y>
 constexpr auto Binding() {
   return ffi::Ffi::Bind()
@@ -387,3 +537,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmSiluMul,
                               (Binding<Bf16X, Bf16W, Bf16Y>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W, F32Y>),
                               (Binding<F32X, F32W, F32Y>()));
+
+// W8A8: bf16 or float32 activations, quantized per row inside the call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8Gemm, (W8A8GemmImpl<float, F32X, F32Y>),
+                              (W8A8Binding<F32X, F32Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmBf16, (W8A8GemmImpl<uint16_t, Bf16X, Bf16Y>),
+                              (W8A8Binding<Bf16X, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmSiluMul,
+                              (W8A8GemmImpl<uint16_t, Bf16X, Bf16Y, true>),
+                              (W8A8Binding<Bf16X, Bf16Y>()));

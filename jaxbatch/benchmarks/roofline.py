@@ -16,6 +16,7 @@ then consecutive steps with it (the engine's default): the period at which it de
 over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed.
 
     jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
+                            [--random-model 1B] [--quantization w8a8]
 """
 from __future__ import annotations
 
@@ -72,16 +73,21 @@ def read_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
     return nbytes / best
 
 
-def gemm_peak(dtype="bfloat16", n: int = 2048) -> float:
+def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
     """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: XLA's dot, or our packed GEMM kernel
     (`cpu_kernels.packed_gemm`, what the engine's matmuls run on a CPU it covers) where that
-    is faster, so the floor is the faster of the two."""
+    is faster, so the floor is the faster of the two. quantization="w8a8": the int8 kernel's
+    (`cpu_kernels.w8a8_gemm`, x quantized per row in the call), the only one that runs it."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from cpu_kernels import packed_gemm
+    from cpu_kernels import packed_gemm, w8a8_gemm
     a = jnp.ones((n, n), dtype)
+    if quantization == "w8a8":
+        packed = jax.tree.map(jnp.asarray, w8a8_gemm.pack(np.ones((n, n), np.int8),
+                                                          np.ones(n, np.float32)))
+        return 2 * n ** 3 / _best_seconds(jax.jit(w8a8_gemm.matmul), a, packed)
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     best = _best_seconds(dot, a, a)
     if packed_gemm.why_not(dtype, n, n) is None:
@@ -119,7 +125,7 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
-def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", quantization=None):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
     length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
     prefill in the first step. No host/device overlap: a step is timed whole, with nothing of
@@ -129,7 +135,8 @@ def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto"):
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
                        num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
                        max_num_batched_tokens=slots * ctx + slots, warmup=False,
-                       attention_backend=backend, async_scheduling=False)
+                       attention_backend=backend, async_scheduling=False,
+                       quantization=quantization)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
@@ -146,10 +153,11 @@ ROUND_STEPS = 3 + OVERLAPPED_STEPS
 
 
 def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak: float,
-                read_bandwidth: float) -> dict:
+                read_bandwidth: float, quantization=None) -> dict:
     """`steps` rounds, each one step timed without overlap and OVERLAPPED_STEPS with it, in
     one engine: interleaved, so a slow moment of the machine hits both alike."""
-    engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0)
+    engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0,
+                                  quantization=quantization)
     engine.step()                                    # every prefill
     engine.step()                                    # first decode: compiles it
     times, periods, kv = [], [], []
@@ -207,12 +215,12 @@ def check_steady(engine, rows: int, first: int, steps: int) -> None:
         raise RuntimeError(f"{rows} rows: left steady decode in a timed step")
 
 
-def prefill_chunk(loaded, tokens: int, peak: float) -> dict:
+def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
     from jaxbatch import SamplingParams
     from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
                        prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, quantization=quantization)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     times = []
@@ -236,6 +244,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=256, help="a power of two")
     ap.add_argument("--steps", type=int, default=20, help="timed rounds per row count")
     ap.add_argument("--prefill-tokens", type=int, default=256)
+    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
     add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/roofline")
     args = ap.parse_args(argv)
@@ -247,16 +256,17 @@ def main(argv=None):
                  f"length stays in one page bucket through every timed step")
     loaded = load_bench_model(args)
     dtype = loaded.params["embed"].dtype        # the matmuls' (int8 weights dequantize to it)
-    bandwidth, reads, peak = copy_bandwidth(), read_bandwidth(), gemm_peak(dtype)
+    bandwidth, reads = copy_bandwidth(), read_bandwidth()
+    peak = gemm_peak(dtype, quantization=args.quantization)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s, "
           f"{dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
-    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak, reads)
-               for rows in args.rows]
-    prefill = prefill_chunk(loaded, args.prefill_tokens, peak)
+    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak, reads,
+                           args.quantization) for rows in args.rows]
+    prefill = prefill_chunk(loaded, args.prefill_tokens, peak, args.quantization)
     md = "\n\n".join([
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {reads / 1e9:.1f} GB/s; "
         f"{dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s; "
-        f"{loaded.source}, weights {dtype}",
+        f"{loaded.source}, weights {args.quantization or dtype}",
         table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
                "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
                "overlapped / floor", "sequential floor at read rate ms",

@@ -22,7 +22,7 @@ POLICIES = ("fcfs", "priority", "shortest_prompt_first")
 BATCHING_MODES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 KV_CACHE_DTYPES = ("auto", "int8")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "w8a8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KERNEL_MODES = ("auto", "off", "required")
 WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
@@ -69,7 +69,9 @@ class ModelOptions:
                         "checkpoint on an accelerator or a CPU with native bf16 dots (AMX, "
                         "AVX512-BF16), float32 otherwise (stats()['dtype'] says which)", DTYPES)
     quantization: str | None = option(
-        None, "int8: weight-only int8 layer matrices, one scale per output channel",
+        None, "int8: weight-only int8 layer matrices, one scale per output channel; w8a8: "
+        "the same weights against activations quantized to int8 per token in the matmul "
+        "(int32 sums; on CPUs with AVX512-VNNI, or a GPU)",
         QUANTIZATIONS)
 
 
@@ -280,7 +282,7 @@ def _check_tensor_parallel(config: "EngineConfig", how: str | None = None) -> No
     weights and a float cache only."""
     if how is None and config.parallel.tensor_parallel_size == 1:
         return
-    if config.cache.kv_cache_dtype != "auto" or config.model.quantization == "int8":
+    if config.cache.kv_cache_dtype != "auto" or config.model.quantization is not None:
         raise ValueError(f"{how or 'tensor_parallel_size > 1'} with an int8 KV cache or int8 "
                          "weights is not supported yet")
 

@@ -16,7 +16,7 @@ from jaxbatch.lora.request import user_cache_salt
 from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel, load_model
-from jaxbatch.model.quantize import params_are_quantized, quantize_params
+from jaxbatch.model.quantize import int8_weights, params_are_quantized, quantize_params
 from jaxbatch.spec_decode.draft_model import DraftModelProposer
 from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
@@ -55,11 +55,11 @@ def load_weights(config: EngineConfig, loaded: LoadedModel | None,
     if loaded is None:
         loaded = dataclasses.replace(load_model(m.model, m.dtype, quantization=m.quantization,
                                                 on_device=on_device), private=True)
-    if m.quantization == "int8" and not params_are_quantized(loaded.params):
+    if int8_weights(m.quantization) and not params_are_quantized(loaded.params):
         # Weights given in full precision (loaded=): quantize a copy, the caller's stay.
         loaded = dataclasses.replace(loaded, params=quantize_params(to_plain(loaded.params)))
     elif m.quantization is None and params_are_quantized(loaded.params):
-        raise ValueError("loaded= holds int8 weights; pass quantization='int8'")
+        raise ValueError("loaded= holds int8 weights; pass quantization='int8' or 'w8a8'")
     # Stacked once here, so the per-layer copy is not kept alive beside the runner's.
     loaded.params = stack_layers(loaded.params)
     return loaded
@@ -159,7 +159,8 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
 def kernel_options(config: EngineConfig) -> KernelOptions:
     rt = config.runtime
     return KernelOptions(cpu_kernels=rt.cpu_kernels, kv_prefetch=rt.kv_prefetch,
-                         weight_layout=rt.weight_layout)
+                         weight_layout=rt.weight_layout,
+                         int8_activations=config.model.quantization == "w8a8")
 
 
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):
@@ -179,7 +180,7 @@ def check_shared_runner(runner: ModelRunner, sched: SchedulerConfig,
     """`runner=` reuses another engine's compiled steps and pool: same shapes only."""
     mine = (sched.max_num_seqs, sched.num_blocks, sched.block_size, sched.max_model_len,
             sched.prefill_chunk_size, config.cache.kv_cache_dtype,
-            config.model.quantization == "int8",
+            int8_weights(config.model.quantization),
             config.runtime.unified_step and runner.attention.mixed_calls)
     theirs = (runner.cfg.max_num_seqs, runner.cfg.num_blocks, runner.cfg.block_size,
               runner.cfg.max_model_len, runner.cfg.prefill_chunk_size, runner.kv_cache_dtype,

@@ -28,7 +28,8 @@ from jaxbatch.model.registry import config_from_hf
 from jaxbatch.model import precision
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.decoder import stack_layers
-from jaxbatch.model.quantize import check_quantization, is_quantized, quantize_params
+from jaxbatch.model.quantize import (check_quantization, int8_weights, is_quantized,
+                                     quantize_params)
 from jaxbatch.model.weights import params_from_hf_state
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -268,14 +269,14 @@ def load_model(model: str | None = None, dtype: str = "auto", use_cache: bool = 
     source = resolve_source(model)
     folder = _cache_dir(source)
     int8_folder = folder + "-int8"
-    cached = (_try_load_cache(int8_folder) if quantization == "int8" and use_cache
+    cached = (_try_load_cache(int8_folder) if int8_weights(quantization) and use_cache
               and os.path.isdir(int8_folder) else None)
     if cached is not None:
         hf_config, params, tokenizer = cached
         from_cache = True
     else:
         hf_config, params, tokenizer, from_cache = _load_float32(source, folder, use_cache)
-        if quantization == "int8":
+        if int8_weights(quantization):
             # From the float32 params, whatever `dtype` the model runs in.
             params = quantize_params(jax.tree.map(np.asarray, params))
             if use_cache:

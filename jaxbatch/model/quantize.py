@@ -25,15 +25,22 @@ import jax.numpy as jnp
 from jaxbatch.model.linear import Int8, Linear, PerLayer
 from pallas_kernels.int8 import quantize_int8
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "w8a8")
 QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
                       "we_gate", "we_up", "we_down")     # the last three: MoE experts
 
 
 def check_quantization(quantization) -> None:
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r}; choose None or 'int8' "
-                         "(int8 weight-only, one scale per output channel)")
+        raise ValueError(f"quantization={quantization!r}; choose None, 'int8' (int8 "
+                         "weight-only, one scale per output channel) or 'w8a8' (the same "
+                         "weights against int8 activations)")
+
+
+def int8_weights(quantization) -> bool:
+    """Whether `quantization` stores the layer matrices as int8 (both modes do: w8a8 differs
+    only in how the kernel seam multiplies them, `worker/weight_forms.py`)."""
+    return quantization in ("int8", "w8a8")
 
 
 def is_quantized(weight) -> bool:

@@ -3,6 +3,10 @@
     matmul              the weights' form (`weight_forms.py`): packed for our C++ GEMM
                         (`cpu_kernels.packed_gemm`, its silu * up epilogue included), or the
                         forms XLA's dots read best
+    w8a8                `quantization="w8a8"`: the int8 matrices' kernel against activations
+                        quantized per token: `cpu_kernels.w8a8_gemm` on a CPU (AVX512-VNNI;
+                        refused where it cannot run), the Pallas kernel on a GPU, else the
+                        jnp reference
     add_norm            a residual add and the RMSNorm after it: `cpu_kernels.add_rms_norm`
                         (bf16) or jnp
     decode_attention    the xla backend's decode attention: `cpu_kernels.paged_decode` or jnp
@@ -31,7 +35,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import add_rms_norm, first_argmax, kv_hints, packed_gemm, paged_decode, paged_prefill
+from cpu_kernels import (add_rms_norm, first_argmax, kv_hints, packed_gemm, paged_decode,
+                         paged_prefill, w8a8_gemm)
 from jaxbatch.model import norms
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.kernels import Kernels
@@ -49,6 +54,7 @@ class KernelOptions:
     cpu_kernels: str = "auto"       # auto: where they run; off: never; required: or an error
     kv_prefetch: bool = True
     weight_layout: str = "auto"     # auto: per layer on CPU, stacked elsewhere
+    int8_activations: bool = False  # quantization="w8a8": int8 matrices x int8 activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +117,11 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
                               if prefetch else "off" + ("" if decode and packed else
                                                         " (needs the C++ attention and GEMM)"))
     kv_hints.set_enabled(options.kv_prefetch)
+    w8a8_kernel = None
+    if options.int8_activations:
+        w8a8_kernel, reasons["w8a8"] = _w8a8_kernel(platform, options, per_layer)
     form = WeightForm(per_layer=per_layer, transposed=on_cpu and per_layer, bits=on_cpu,
-                      fused=on_cpu and per_layer, packed=packed)
+                      fused=on_cpu and per_layer, packed=packed, w8a8_kernel=w8a8_kernel)
     reasons["weights"] = form.describe()
     reasons = tuple(reasons.items())
     return KernelChoice(
@@ -128,6 +137,24 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
 
 def log_choice(choice: KernelChoice) -> None:
     logger.info("kernels: %s", "; ".join(f"{k}: {v}" for k, v in choice.reasons))
+
+
+def _w8a8_kernel(platform: str, options: KernelOptions, per_layer: bool) -> tuple[str, str]:
+    """(W8A8 kernel, why): the VNNI kernel on a CPU (or an error where it cannot run), the
+    Pallas kernel on a GPU, else the jnp reference."""
+    if platform == "gpu":
+        return "pallas", "pallas_kernels.w8a8 (int8 MMA)"
+    if platform != "cpu":
+        return "jnp", f"the jnp reference ({platform})"
+    reason = ("turned off (cpu_kernels='off')" if options.cpu_kernels == "off"
+              else w8a8_gemm.unavailable_reason())
+    if reason:
+        raise ValueError(f"quantization='w8a8' runs on this CPU's AVX512-VNNI kernel "
+                         f"(cpu_kernels.w8a8_gemm), which cannot run here: {reason}; "
+                         "quantization='int8' (weight-only) runs anywhere")
+    if not per_layer:
+        return "jnp", "the jnp reference (stacked weight layout: the kernel takes per-layer weights)"
+    return "cpu", "cpu_kernels.w8a8_gemm (AVX512-VNNI, activations quantized per token)"
 
 
 def _gemm_reason(dtype, per_layer: bool) -> str | None:

@@ -82,15 +82,20 @@ def prompt_logprobs_step(params, hidden, targets, *, cfg=None):
     return sampler.prompt_logprobs(logits, targets)
 
 
-def reference_forward(params, cfg, pool, tokens, positions, slot_mapping, attend, inv_freq):
+def reference_forward(params, cfg, pool, tokens, positions, slot_mapping, attend, inv_freq,
+                      quantization=None):
     """The forward over plain params (a loader's, or `stack_layers`') with the plain-jnp
     kernels and matrices as they are: for tools that drive the model directly (accuracy
     measurements). -> (final hidden [T, d], pool)."""
-    typed = reference_params(params)
+    typed = reference_params(params, quantization)
     return forward_hidden(typed, KVPool(*pool), TokenInputs(tokens, positions, slot_mapping),
                           cfg=cfg, kernels=JNP_KERNELS, attend=attend, inv_freq=inv_freq)
 
 
-def reference_params(params):
-    """Plain params as `reference_forward` and `compute_logits` read them (idempotent)."""
-    return weight_forms.prepare(stack_layers(params), weight_forms.WeightForm(per_layer=True))
+def reference_params(params, quantization=None):
+    """Plain params as `reference_forward` and `compute_logits` read them (idempotent);
+    `quantization="w8a8"`: int8 matrices against int8 activations (the jnp reference, which
+    the CPU kernel equals bit for bit)."""
+    form = weight_forms.WeightForm(per_layer=True,
+                                   w8a8_kernel="jnp" if quantization == "w8a8" else None)
+    return weight_forms.prepare(stack_layers(params), form)

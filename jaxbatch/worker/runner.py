@@ -127,7 +127,7 @@ class ModelRunner:
         if lowered_dir is not None and self.tp is None and self.attention.exportable:
             store = lowered_store.LoweredStore(lowered_dir, lowered_store.fingerprint(
                 model_cfg, sched_cfg, jnp.dtype(dtype).name, repr(self.attention),
-                kv_cache_dtype, chunks_per_call))
+                kv_cache_dtype, chunks_per_call, self.kernels.reasons))
         self.executables = Executables(functions, store, self.tp)
         self.verify_rows = 0       # ("verify_sample", rows) executables for rows up to this
         self.pooling_type: str | None = None    # a pooling engine's: see enable_pooling

@@ -15,6 +15,10 @@ stacks, int8 matrices as {"int8", "scale"}); each matrix becomes a typed weight
                 once for it (`Packed`): XLA:CPU's dots of a few rows run far under the
                 machine's bf16 and float32 rates, the kernel reads each packed weight once
                 per call at close to them
+    w8a8        int8 matrices multiplied against activations quantized per token
+                (`quantization="w8a8"`), their q/k/v and gate/up parts fused per layer:
+                packed for the CPU's VNNI kernel (`PackedW8A8`, `w8a8_kernel="cpu"`), the
+                Pallas kernel ("pallas") or the jnp reference ("jnp"), `W8A8`
 
 `prepare` takes plain or already typed params (another engine's) and is cheap when they are
 in the form already; `to_plain` gives plain params back (for quantizing or restacking).
@@ -27,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import packed_gemm
+from cpu_kernels import packed_gemm, w8a8_gemm
 from jaxbatch.model.layers import FUSED
 from jaxbatch.model.linear import (SILU_MUL, Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer,
                                    pytree_weight)
+from pallas_kernels import w8a8
 
 # Calls of at least this many tokens take silu * up as the packed GEMM's epilogue: in a call
 # of a few decode rows the epilogue's exponentials and divisions cost about what XLA's
@@ -70,6 +75,83 @@ class Packed(Linear):
 Packed = pytree_weight(Packed, ("packed",))
 
 
+class W8A8(Linear):
+    """int8 values [.., in, out] and scales [.., out] against activations quantized per token:
+    the jnp reference (`pallas_kernels/w8a8.py`)."""
+    values: object
+    scale: object
+
+    def _product(self, x2, out_dtype):
+        return w8a8.w8a8_reference(x2, self.values, self.scale, out_dtype)
+
+    def apply(self, x, rows=None, out_dtype=None):
+        k, n = self.in_out
+        y = self._product(x.reshape(-1, k), out_dtype or x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    in_out = property(lambda self: tuple(self.values.shape[-2:]))
+    dtype_name = property(lambda self: "int8")
+
+    def to_float(self):
+        return self.values.astype(jnp.float32) * self.scale[..., None, :]
+
+
+class PallasW8A8(W8A8):
+    """The same on a GPU: the Pallas int8 MMA kernel."""
+
+    def _product(self, x2, out_dtype):
+        return w8a8.w8a8_matmul(x2, self.values, self.scale, out_dtype=jnp.dtype(out_dtype))
+
+
+class PackedW8A8(Linear):
+    """int8 values packed for `cpu_kernels.w8a8_gemm` ([N / 16, K / 4, 64]), the columns' scales
+    and offset shares."""
+    values: object
+    scale: object
+    comp: object
+
+    def _packed(self) -> w8a8_gemm.PackedInt8:
+        return w8a8_gemm.PackedInt8(self.values, self.scale, self.comp)
+
+    def apply(self, x, rows=None, out_dtype=None):
+        return w8a8_gemm.matmul(x, self._packed(), out_dtype=out_dtype or x.dtype, rows=rows)
+
+    def fuses(self, epilogue, x) -> bool:
+        return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
+                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
+                and w8a8_gemm.silu_mul_why_not(self._packed()) is None)
+
+    def apply_epilogue(self, x, epilogue, rows=None):
+        if not self.fuses(epilogue, x):
+            return super().apply_epilogue(x, epilogue, rows)
+        return w8a8_gemm.silu_mul(x, self._packed(), rows=rows)
+
+    in_out = property(lambda self: w8a8_gemm.in_out_shape(self.values))
+    dtype_name = property(lambda self: "int8")
+
+    def int8_values(self):
+        return w8a8_gemm.unpack(self.values)
+
+    def to_float(self):
+        return self.int8_values().astype(jnp.float32) * self.scale[None, :]
+
+    @classmethod
+    def of(cls, values, scale) -> "PackedW8A8":
+        """From int8 [in, out] values and [out] scales; numpy stays numpy, device arrays go
+        back to the device."""
+        packed = w8a8_gemm.pack(np.asarray(values), np.asarray(scale))
+        if not isinstance(values, np.ndarray):
+            packed = jax.tree.map(jnp.asarray, packed)
+        return cls(*packed)
+
+
+W8A8 = pytree_weight(W8A8, ("values", "scale"))
+PallasW8A8 = pytree_weight(PallasW8A8, ("values", "scale"))
+PackedW8A8 = pytree_weight(PackedW8A8, ("values", "scale", "comp"))
+W8A8_KERNELS = {"cpu": PackedW8A8, "pallas": PallasW8A8, "jnp": W8A8}
+_W8A8_FORMS = tuple(W8A8_KERNELS.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightForm:
     per_layer: bool = False
@@ -77,9 +159,14 @@ class WeightForm:
     bits: bool = False
     fused: bool = False
     packed: bool = False
+    w8a8_kernel: str | None = None      # int8 matrices against int8 activations: W8A8_KERNELS
 
     def describe(self) -> str:
-        return ", ".join(name for name, on in dataclasses.asdict(self).items() if on) or "stacked"
+        parts = [name for name, on in dataclasses.asdict(self).items()
+                 if on is True]
+        if self.w8a8_kernel:
+            parts.append(f"w8a8 ({self.w8a8_kernel})")
+        return ", ".join(parts) or "stacked"
 
 
 # ---- plain params -> typed --------------------------------------------------------------
@@ -91,6 +178,8 @@ def prepare(params: dict, form: WeightForm) -> dict:
     typed = {name: _typed(value, form) for name, value in layers.items()}
     if form.fused:
         typed = _fuse(typed)
+    if form.w8a8_kernel:
+        typed = _w8a8(typed, W8A8_KERNELS[form.w8a8_kernel], fuse=form.fused)
     if form.packed:
         typed = {name: _packed(value) for name, value in typed.items()}
     out = {**{k: v for k, v in plain.items() if k not in ("lm_head", "tied_head")},
@@ -113,9 +202,17 @@ def _in_form(params: dict, form: WeightForm) -> bool:
         return False
     per_layer = any(isinstance(v, PerLayer) for v in matrices)
     fused = any(name in params["layers"] for name in FUSED)
-    packed = any(isinstance(w, Packed) for w in jax.tree.leaves(
-        params, is_leaf=lambda a: isinstance(a, Packed)))
-    return per_layer == form.per_layer and fused == form.fused and packed == form.packed
+    forms = [w for w in jax.tree.leaves(params, is_leaf=is_linear_leaf) if isinstance(w, Linear)]
+    packed = any(isinstance(w, Packed) for w in forms)
+    w8a8_forms = {type(w) for w in forms if isinstance(w, _W8A8_FORMS)}
+    w8a8_form = {W8A8_KERNELS[form.w8a8_kernel]} if form.w8a8_kernel else set()
+    return (per_layer == form.per_layer and fused == form.fused and packed == form.packed
+            and w8a8_forms == w8a8_form)
+
+
+def is_linear_leaf(value) -> bool:
+    """A typed matrix, not PerLayer's tuple of them: a pytree leaf for `_in_form`'s walk."""
+    return isinstance(value, Linear) and not isinstance(value, PerLayer)
 
 
 def _is_matrix_entry(value) -> bool:
@@ -193,6 +290,41 @@ def _fuse(layers: dict) -> dict:
     return layers
 
 
+def _w8a8(layers: dict, form_class, fuse: bool) -> dict:
+    """int8 matrices -> `form_class` (a W8A8 form); per layer, each complete group of int8
+    parts fused into one matrix (`FUSED` order, along out) where `fuse`."""
+    if fuse:
+        for name, parts in FUSED.items():
+            values = [layers.get(p) for p in parts]
+            if not all(isinstance(v, PerLayer) and all(isinstance(w, Int8) for w in v.layers)
+                       for v in values):
+                continue
+            concat = (np.concatenate if isinstance(values[0].layers[0].values, np.ndarray)
+                      else jnp.concatenate)
+            layers = {k: v for k, v in layers.items() if k not in parts}
+            layers[name] = PerLayer(tuple(
+                Int8(concat([w.values for w in per_part], axis=-1),
+                     concat([w.scale for w in per_part], axis=-1))
+                for per_part in zip(*(v.layers for v in values))))
+    out = {}
+    for name, value in layers.items():
+        if isinstance(value, PerLayer) and all(isinstance(w, Int8) for w in value.layers):
+            out[name] = PerLayer(tuple(_w8a8_matrix(w, form_class) for w in value.layers))
+        elif isinstance(value, Int8) and value.values.ndim == 3:
+            # a stack the layer scan slices; experts' stacks ([L, E, in, out]) stay weight-only
+            out[name] = (W8A8 if form_class is PackedW8A8 else form_class)(value.values,
+                                                                          value.scale)
+        else:
+            out[name] = value
+    return out
+
+
+def _w8a8_matrix(w: Int8, form_class) -> Linear:
+    if form_class is PackedW8A8 and w8a8_gemm.why_not(*w.in_out) is None:
+        return PackedW8A8.of(w.values, w.scale)
+    return (W8A8 if form_class is PackedW8A8 else form_class)(w.values, w.scale)
+
+
 def _packed(value):
     """Per-layer [out, in] float matrices the GEMM covers -> packed; the rest unchanged."""
     if not (isinstance(value, PerLayer) and all(isinstance(w, OutIn) for w in value.layers)):
@@ -229,8 +361,10 @@ def to_plain(params: dict) -> dict:
 
 
 def _plain_matrix(w: Linear):
-    if isinstance(w, Int8):
+    if isinstance(w, (Int8, W8A8)):
         return {"int8": w.values, "scale": w.scale}
+    if isinstance(w, PackedW8A8):
+        return {"int8": w.int8_values(), "scale": w.scale}
     return w.to_float()
 
 
@@ -240,12 +374,21 @@ def _unfuse(layers: dict) -> dict:
             continue
         wo = layers["wo"][0] if isinstance(layers["wo"], tuple) else layers["wo"]
         q_width = (wo["int8"] if isinstance(wo, dict) else wo).shape[-2]
-        widths = _part_widths(name, layers[name][0].shape[-1], q_width)
+        first = layers[name][0]
+        total = (first["int8"] if isinstance(first, dict) else first).shape[-1]
+        widths = _part_widths(name, total, q_width)
         bounds = np.cumsum((0,) + widths)
-        split = {p: tuple(w[..., lo:hi] for w in layers[name])
+        split = {p: tuple(_columns(w, lo, hi) for w in layers[name])
                  for p, lo, hi in zip(parts, bounds[:-1], bounds[1:])}
         layers = {**{k: v for k, v in layers.items() if k != name}, **split}
     return layers
+
+
+def _columns(w, lo: int, hi: int):
+    """Output columns [lo, hi) of a plain matrix (an int8 one's values and scales)."""
+    if isinstance(w, dict):
+        return {"int8": w["int8"][..., lo:hi], "scale": w["scale"][..., lo:hi]}
+    return w[..., lo:hi]
 
 
 def _part_widths(name: str, total: int, q_width: int) -> tuple[int, ...]:
@@ -278,6 +421,9 @@ def matrix_shapes(params: dict) -> dict[str, tuple[int, int]]:
 
 def matmuls(params: dict) -> str:
     """What runs the weight matmuls (stats()): our packed GEMM kernel, or XLA's dots."""
-    packed = [w for w in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, Packed))
-              if isinstance(w, Packed)]
-    return "cpu_kernels.packed_gemm" if packed else "XLA dots"
+    forms = {type(w) for w in jax.tree.leaves(params, is_leaf=is_linear_leaf)}
+    names = [name for form, name in ((PackedW8A8, "cpu_kernels.w8a8_gemm"),
+                                     (PallasW8A8, "pallas_kernels.w8a8"),
+                                     (W8A8, "the jnp W8A8 reference"),
+                                     (Packed, "cpu_kernels.packed_gemm")) if form in forms]
+    return " + ".join(names) or "XLA dots"

@@ -1,0 +1,70 @@
+"""quantization="w8a8" end to end on a tiny random model: the kernel seam picks the CPU's VNNI
+kernel and says so, a request's tokens are the same solo and batched, the VNNI kernel gives
+the tokens of the jnp reference (the stacked layout runs the reference), and a CPU that cannot
+run the kernel refuses the option before anything loads."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_kernels import w8a8_gemm
+from jaxbatch import SamplingParams
+from jaxbatch.engine.llm_engine import LLMEngine
+from jaxbatch.model.loader import LoadedModel
+from engines import run_all
+from tiny_models import make_hf_model, ours_from_hf, random_token_prompts
+
+REASON = w8a8_gemm.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"W8A8 kernel unavailable: {REASON}")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = ours_from_hf(make_hf_model("llama_untied_gqa2", seed=5))
+    return LoadedModel(cfg, params, tokenizer=None, source="tiny-w8a8", load_seconds=0.0,
+                       from_cache=False)
+
+
+def _engine(tiny, **kw):
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("warmup", False)
+    kw.setdefault("compilation_cache", False)
+    kw.setdefault("max_num_seqs", 4)
+    return LLMEngine(loaded=tiny, quantization="w8a8", **kw)
+
+
+PROMPTS = random_token_prompts(np.random.default_rng(3), [5, 40, 17, 64])
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 6, 12, 8)]
+
+
+def _tokens(engine, prompts=PROMPTS, params=PARAMS):
+    return [list(o.outputs[0].token_ids) for o in run_all(engine, prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def kernel_engine(tiny):
+    return _engine(tiny)
+
+
+def test_the_seam_runs_the_vnni_kernel_and_says_so(kernel_engine):
+    kernels = kernel_engine.stats()["kernels"]
+    assert "cpu_kernels.w8a8_gemm" in kernels["w8a8"]
+    assert "w8a8 (cpu)" in kernels["weights"]
+    assert kernel_engine.stats()["quantization"] == "w8a8"
+
+
+def test_solo_equals_batched(kernel_engine):
+    batched = _tokens(kernel_engine)
+    for i in (1, 3):
+        assert _tokens(kernel_engine, [PROMPTS[i]], [PARAMS[i]]) == [batched[i]]
+
+
+def test_the_kernel_gives_the_tokens_of_the_jnp_reference(tiny, kernel_engine):
+    reference = _engine(tiny, weight_layout="stacked")
+    assert "jnp reference" in reference.stats()["kernels"]["w8a8"]
+    assert _tokens(kernel_engine) == _tokens(reference)
+
+
+def test_w8a8_is_refused_where_its_kernel_cannot_run(tiny):
+    with pytest.raises(ValueError, match="AVX512-VNNI"):
+        _engine(tiny, cpu_kernels="off")
