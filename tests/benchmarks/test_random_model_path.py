@@ -5,13 +5,10 @@ the same weight forms, leaf for leaf, so a roofline or throughput figure on a ra
 from __future__ import annotations
 
 import jax
-import pytest
 
 from jaxbatch.benchmarks.random_models import random_model
 from jaxbatch.engine.llm_engine import LLMEngine
 from jaxbatch.worker.weight_forms import is_linear_leaf
-
-pytestmark = pytest.mark.e2e
 
 
 def _engine(**kw):
