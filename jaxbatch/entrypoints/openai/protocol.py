@@ -57,6 +57,11 @@ def check_fields(req: "_Request") -> tuple[str, str] | None:
     return None
 
 
+def _is_token_id(key: str) -> bool:
+    """JSON object keys are strings: a logit_bias key must spell a non-negative integer."""
+    return key.isascii() and key.isdigit() and len(key) <= 10
+
+
 def _drop_none(handler, obj, keys: tuple[str, ...]):
     data = handler(obj)
     for k in keys:
@@ -130,8 +135,9 @@ class _SamplingRequest(_Request):
             bad = check_fields(self.stream_options)
             if bad:
                 return "stream_options", bad[1]
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        bad_key = next((k for k in self.logit_bias or () if not _is_token_id(k)), None)
+        if bad_key is not None:
+            return "logit_bias", f"logit_bias keys must be token ids, not {bad_key!r}"
         lo, hi = SEED_RANGE
         if self.seed is not None and not lo <= self.seed < hi:
             return "seed", (f"seed must be in [0, 2**32): the engine honours 32-bit seeds, so "
@@ -159,7 +165,9 @@ class _SamplingRequest(_Request):
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            logit_bias=({int(k): v for k, v in self.logit_bias.items()}
+                        if self.logit_bias else None))
 
     @property
     def include_usage(self) -> bool:
