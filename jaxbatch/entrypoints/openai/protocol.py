@@ -183,13 +183,29 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.stream:
+            return "echo", "echo is only returned without stream=true"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 needs echo=true (the prompt and its logprobs only)"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is not supported (it must equal n)"
         return super().unsupported()
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """With echo, the prompt's logprobs come from the prefill the request runs anyway; a
+        prompt-only request still samples one token (the prefill's last logits give it for
+        free), which the response leaves out."""
+        params = super().sampling_params(1 if self.prompt_only else max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
+        return params
 
 
 class ContentPart(_Request):
