@@ -1,8 +1,8 @@
 """Evaluation over HTTP: `/v1/completions` with `echo` (the prompt and its log-probabilities, as
 OpenAI and vLLM shape them), `logit_bias`, and lm-evaluation-harness's `local-completions`
 against `jaxbatch serve`, scored the same as the harness's `hf` model on the same weights.
-One float32 server for the module; the embedded model exported to a Hugging Face directory
-(scripts/export_safetensors.py) is the reference and gives lm-eval its tokenizer."""
+One float32 server for the module; Hugging Face transformers on the same weights (the
+embedded GGUF, as conftest's `hf_embedded` reads it) is the reference."""
 from __future__ import annotations
 
 import asyncio
@@ -22,15 +22,7 @@ TASKS = os.path.join(ROOT, "tests", "data", "lmeval")
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from scripts.export_safetensors import export
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    export(None, str(out))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def server(hf_dir):
+def server():
     srv = ServerProcess(*SETTINGS)
     try:
         srv.wait_ready()
@@ -40,11 +32,20 @@ def server(hf_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(hf_dir):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(hf_dir)
+def hf(hf_embedded):
+    from transformers import AutoTokenizer
+    from jaxbatch.model.loader import embedded_gguf_path
+    path = embedded_gguf_path()
+    return hf_embedded, AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(hf, tmp_path_factory):
+    """The tokenizer as a directory: lm-eval's API models load theirs by path."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    hf[1].save_pretrained(out)
+    return str(out)
 
 
 def hf_log_softmax(model, ids) -> np.ndarray:
@@ -153,27 +154,29 @@ def test_logit_bias_over_http_steers_chat_and_completions(server, hf):
     assert biased["logprobs"]["content"][0]["token"] != plain["logprobs"]["content"][0]["token"]
 
 
-def test_lm_eval_local_completions_scores_as_its_hf_model(server, hf_dir, monkeypatch):
+def test_lm_eval_local_completions_scores_as_its_hf_model(server, hf, tokenizer_dir,
+                                                          monkeypatch):
     """lm-evaluation-harness end to end, offline: a log-likelihood multiple-choice task and a
     generation task from tests/data/lmeval, against this server (token-id prompts, batched)
     and against the harness's own `hf` model on the same float32 weights."""
     from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(ROOT)                     # the task files name their data from here
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tasks = ["jaxbatch_mc", "jaxbatch_gen"]
-    manager = TaskManager(include_path=TASKS)
+    manager = TaskManager(include_path=TASKS, include_defaults=False)
 
     def run(model, args, batch_size):
         return simple_evaluate(model=model, model_args=args, tasks=tasks, task_manager=manager,
                                batch_size=batch_size, log_samples=True)
     ours = run("local-completions", {
-        "model": MODEL, "base_url": server.base + "/v1/completions", "tokenizer": hf_dir,
+        "model": MODEL, "base_url": server.base + "/v1/completions", "tokenizer": tokenizer_dir,
         "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
         "max_length": 512}, 4)
-    ref = run("hf", {"pretrained": hf_dir, "dtype": "float32", "device": "cpu"}, 1)
+    ref = run(HFLM(pretrained=hf[0], tokenizer=hf[1], batch_size=8), None, 8)
 
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["jaxbatch_mc"][metric] == ref["results"]["jaxbatch_mc"][metric]
