@@ -144,6 +144,16 @@ class SamplingParams:
                 fail("ignore_eos", "must be False with structured_outputs (the grammar decides "
                                    "where the output may end)")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The ids these params name are in the model's vocabulary (the engine knows it)."""
+        bad_stop = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad_stop:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
+        bad_bias = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad_bias:
+            raise ValueError(f"SamplingParams.logit_bias: token ids {bad_bias[:5]} are outside "
+                             f"the vocabulary [0, {vocab_size})")
+
     def _validate_logit_bias(self):
         def fail(field, why):     # the dict itself may be long: named, not repeated
             raise ValueError(f"SamplingParams.{field}: {why}")

@@ -179,13 +179,7 @@ class LLMEngine(EngineBase):
         if blocks.blocks_for(len(ids) + 1) > blocks.num_total_blocks:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens needs more "
                              f"KV blocks than the whole pool ({blocks.num_total_blocks})")
-        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"SamplingParams.logit_bias: token ids {bad_bias[:5]} are outside "
-                             f"the vocabulary [0, {vocab})")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
+        params.check_token_ids(vocab)
         if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED} stop_token_ids + EOS ids")
         if params.stop and self.tokenizer is None:

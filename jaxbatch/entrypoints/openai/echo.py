@@ -16,8 +16,27 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxbatch.entrypoints.openai import protocol as P
+from jaxbatch.sampling_params import SamplingParams
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
+
+
+def prompt_only(req: P.CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated."""
+    return req.echo and req.max_tokens == 0
+
+
+def max_tokens(req: P.CompletionRequest) -> int | None:
+    """A prompt-only request still samples one token (the prefill's last logits give it for
+    free); the response leaves it out."""
+    return 1 if prompt_only(req) else req.max_tokens
+
+
+def ask_prompt_logprobs(req: P.CompletionRequest, params: SamplingParams) -> SamplingParams:
+    """With echo and logprobs, the prompt's logprobs from the prefill the request runs anyway."""
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
+    return params
 
 
 async def prompt_texts(req: P.CompletionRequest, prompts: list[list[int]],

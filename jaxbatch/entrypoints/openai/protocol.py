@@ -57,11 +57,6 @@ def check_fields(req: "_Request") -> tuple[str, str] | None:
     return None
 
 
-def _is_token_id(key: str) -> bool:
-    """JSON object keys are strings: a logit_bias key must spell a non-negative integer."""
-    return key.isascii() and key.isdigit() and len(key) <= 10
-
-
 def _drop_none(handler, obj, keys: tuple[str, ...]):
     data = handler(obj)
     for k in keys:
@@ -135,9 +130,8 @@ class _SamplingRequest(_Request):
             bad = check_fields(self.stream_options)
             if bad:
                 return "stream_options", bad[1]
-        bad_key = next((k for k in self.logit_bias or () if not _is_token_id(k)), None)
-        if bad_key is not None:
-            return "logit_bias", f"logit_bias keys must be token ids, not {bad_key!r}"
+        if any(not (k.isascii() and k.isdigit()) for k in self.logit_bias or ()):
+            return "logit_bias", "logit_bias keys must be token ids (integers, as strings)"
         lo, hi = SEED_RANGE
         if self.seed is not None and not lo <= self.seed < hi:
             return "seed", (f"seed must be in [0, 2**32): the engine honours 32-bit seeds, so "
@@ -166,8 +160,7 @@ class _SamplingRequest(_Request):
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
-            logit_bias=({int(k): v for k, v in self.logit_bias.items()}
-                        if self.logit_bias else None))
+            logit_bias=self.logit_bias and {int(k): v for k, v in self.logit_bias.items()})
 
     @property
     def include_usage(self) -> bool:
@@ -185,27 +178,11 @@ class CompletionRequest(_SamplingRequest):
     def unsupported(self):
         if self.echo and self.stream:
             return "echo", "echo is only returned without stream=true"
-        if self.max_tokens == 0 and not self.echo:
-            return "max_tokens", "max_tokens=0 needs echo=true (the prompt and its logprobs only)"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is not supported (it must equal n)"
         return super().unsupported()
-
-    @property
-    def prompt_only(self) -> bool:
-        """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated."""
-        return self.echo and self.max_tokens == 0
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """With echo, the prompt's logprobs come from the prefill the request runs anyway; a
-        prompt-only request still samples one token (the prefill's last logits give it for
-        free), which the response leaves out."""
-        params = super().sampling_params(1 if self.prompt_only else max_tokens, logprobs)
-        if self.echo and logprobs is not None:
-            params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
-        return params
 
 
 class ContentPart(_Request):

@@ -289,7 +289,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
-        params = _checked_params(req, req.max_tokens, req.logprobs)
+        params = E.ask_prompt_logprobs(req, _checked_params(req, E.max_tokens(req), req.logprobs))
         count = self.pre.check_completion(req)
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n", lora)
         handed_off = False
@@ -343,7 +343,7 @@ class OpenAIServing:
             for c in finals[k].outputs:
                 text, logprobs = texts[k], prompt_part
                 finish_reason, stop_reason = "length", None
-                if not req.prompt_only:
+                if not E.prompt_only(req):
                     text += _text(c, req)
                     n_gen += len(c.token_ids)
                     finish_reason, stop_reason = c.finish_reason, c.stop_reason
