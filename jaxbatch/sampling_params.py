@@ -6,6 +6,9 @@ import math
 
 # Top-k log-probabilities are computed on device for a fixed k; requests may ask for fewer.
 MAX_LOGPROBS = 20
+# logit_bias rides to the sampler as fixed-width per-row arrays (OpenAI's cap on its entries).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclasses.dataclass
@@ -69,6 +72,9 @@ class SamplingParams:
     speculate: bool = True
     # A grammar the output must follow (jaxbatch/structured/).
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias); the engine
+    # checks the ids against its vocabulary.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -124,6 +130,7 @@ class SamplingParams:
             fail("speculate", "must be a bool")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
+        self._validate_logit_bias()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "must be a StructuredOutputsParams or None")
@@ -136,6 +143,35 @@ class SamplingParams:
             if self.ignore_eos:
                 fail("ignore_eos", "must be False with structured_outputs (the grammar decides "
                                    "where the output may end)")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The ids these params name are in the model's vocabulary (the engine knows it)."""
+        bad_stop = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad_stop:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
+        bad_bias = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad_bias:
+            raise ValueError(f"SamplingParams.logit_bias: token ids {bad_bias[:5]} are outside "
+                             f"the vocabulary [0, {vocab_size})")
+
+    def _validate_logit_bias(self):
+        def fail(field, why):     # the dict itself may be long: named, not repeated
+            raise ValueError(f"SamplingParams.{field}: {why}")
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            fail("logit_bias", "must be a dict {token id: bias} or None")
+        if len(bias) > MAX_LOGIT_BIAS:
+            fail("logit_bias", f"at most {MAX_LOGIT_BIAS} entries (got {len(bias)})")
+        lo, hi = LOGIT_BIAS_RANGE
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                fail("logit_bias", f"token id {token!r} must be a non-negative integer")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or not lo <= value <= hi):
+                fail("logit_bias", f"bias {value!r} of token {token} must be a number in "
+                                   f"[{lo:g}, {hi:g}]")
 
     @property
     def greedy(self) -> bool:

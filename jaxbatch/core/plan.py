@@ -56,6 +56,7 @@ class SamplingRow:
     history: list[int]               # prompt + output tokens so far (for penalties)
     banned_token_ids: list[int]      # EOS / stop ids while min_tokens is not reached
     logprobs: int | None
+    logit_bias: dict[int, float] | None = None   # token id -> bias added before sampling
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

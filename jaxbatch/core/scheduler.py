@@ -181,7 +181,7 @@ class Scheduler:
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             seed=seq.seed, position=seq.num_tokens + len(ahead),
             num_prompt_tokens=seq.num_prompt_tokens, history=history,
-            banned_token_ids=banned, logprobs=p.logprobs)
+            banned_token_ids=banned, logprobs=p.logprobs, logit_bias=p.logit_bias)
 
     def schedule(self) -> StepPlan:
         self.step_count += 1

@@ -177,9 +177,7 @@ class LLMEngine(EngineBase):
                              f"KV blocks than the whole pool ({blocks.num_total_blocks})")
         if isinstance(params, pooling.PoolingParams):
             return text, ids, params
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad_stop} are outside the vocabulary")
+        params.check_token_ids(vocab)
         if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED} stop_token_ids + EOS ids")
         if params.stop and self.tokenizer is None:

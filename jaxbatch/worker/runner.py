@@ -135,6 +135,7 @@ class ModelRunner:
         self.kept_probs: dict[tuple[int, int], np.ndarray] | None = None
         self._unused_history: dict[int, jax.Array] = {}
         self._unused_bitmask: dict[int, jax.Array] = {}     # structured outputs: all allowed
+        self._unused_bias: dict[int, tuple[jax.Array, jax.Array]] = {}   # no logit_bias
         self.pool_owner = None     # the engine whose block manager last wrote the pool
         self.executable_observers: list = []   # benchmarks' hook, see _run
 
@@ -208,14 +209,18 @@ class ModelRunner:
     def sampling_arrays(self, rows: list[SamplingRow | None], bitmask: np.ndarray | None = None):
         """Penalty history always has max_model_len columns (one executable for every request);
         steps without penalties pass a -1 array kept on device per row count. The same for
-        the grammar bitmask (structured outputs): `bitmask` [n, ceil(V/32)] or None."""
+        the grammar bitmask (structured outputs): `bitmask` [n, ceil(V/32)] or None, and the
+        logit_bias arrays."""
         n = len(rows)
         if n not in self._unused_history:
             self._unused_history[n] = jnp.full((n, self.cfg.max_model_len), -1, jnp.int32)
             self._unused_bitmask[n] = jnp.full(
                 (n, sampler.bitmask_words(self.model_cfg.vocab_size)), -1, jnp.int32)
+            self._unused_bias[n] = (jnp.full((n, sampler.MAX_LOGIT_BIAS), -1, jnp.int32),
+                                    jnp.zeros((n, sampler.MAX_LOGIT_BIAS), jnp.float32))
         return sampler.build_sampling_arrays(rows, self.cfg.max_model_len, self._unused_history[n],
-                                             bitmask, self._unused_bitmask[n])
+                                             bitmask, self._unused_bitmask[n],
+                                             unused_bias=self._unused_bias[n])
 
     def example_args(self, key):
         """Arguments of the right shapes for `key` (a key record, or its tuple form), for

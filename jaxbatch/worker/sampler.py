@@ -5,8 +5,8 @@ cumulative sum is still `jnp.cumsum`).
 Randomness comes from a key folded from (sequence seed, position of the sampled token), so a
 sequence draws the same noise alone or in any batch, and again after a preemption.
 
-Penalties, logprobs (the log-softmax over the vocabulary; top-k on top) and min_tokens'
-held-back ids are runtime branches (`lax.cond` on a flag), not compile-time variants: one
+Logit bias, penalties, logprobs (the log-softmax over the vocabulary; top-k on top) and
+min_tokens' held-back ids are runtime branches (`lax.cond` on a flag), not compile-time variants: one
 executable per shape serves every request, so nothing compiles mid-serving when the first
 request asking for them arrives, and a step where no row asks pays nothing for them.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.core.plan import SamplingRow
-from jaxbatch.sampling_params import MAX_LOGPROBS
+from jaxbatch.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxbatch.worker.argmax import two_level_argmax
 from jaxbatch.worker.rejection_sampler import rejection_sample
 from pallas_kernels.ordered_sum import ordered_log_softmax, ordered_softmax
@@ -59,6 +59,9 @@ class SamplingArrays:
     any_token_logprob: jax.Array  # [] bool: some row wants its token's logprob (logprobs set)
     bitmask: jax.Array          # [N, ceil(V/32)] i32 packed allowed tokens (bit v%32 of word v//32)
     any_bitmask: jax.Array      # [] bool: some row follows a grammar (its bitmask row filled)
+    bias_ids: jax.Array         # [N, MAX_LOGIT_BIAS] i32 logit_bias token ids, -1 = none
+    bias_values: jax.Array      # [N, MAX_LOGIT_BIAS] f32 the bias added to each of them
+    any_bias: jax.Array         # [] bool: some row has a logit_bias (its bias rows filled)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -67,12 +70,15 @@ def bitmask_words(vocab_size: int) -> int:
 
 def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
                           unused_history=None, bitmask: np.ndarray | None = None,
-                          unused_bitmask=None, vocab_size: int | None = None) -> SamplingArrays:
+                          unused_bitmask=None, vocab_size: int | None = None,
+                          unused_bias=None) -> SamplingArrays:
     """Host side: rows (None = empty slot, sampled greedily and ignored) -> numpy arrays.
     `unused_history`: an [N, history_len] array of -1 to pass when no row has a penalty (the
     runner keeps one on device per row count, so such steps transfer nothing for it).
     `bitmask`: [N, ceil(V/32)] int32 from the grammar matchers, or None when no row has a
-    grammar; then `unused_bitmask` (all -1, kept on device) or a new one for `vocab_size`."""
+    grammar; then `unused_bitmask` (all -1, kept on device) or a new one for `vocab_size`.
+    `unused_bias`: (ids all -1, values 0), kept on device, for steps where no row has a
+    logit_bias."""
     n = len(rows)
     f32 = lambda attr, default: np.array([getattr(r, attr) if r else default for r in rows], np.float32)
     banned = np.full((n, MAX_BANNED), -1, np.int32)
@@ -89,6 +95,7 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
         banned[i, :len(r.banned_token_ids)] = r.banned_token_ids
         if r.history:
             history[i, :len(r.history)] = r.history
+    bias_ids, bias_values, any_bias = _bias_arrays(rows, unused_bias)
     any_bitmask = bitmask is not None
     if bitmask is None:
         bitmask = (unused_bitmask if unused_bitmask is not None
@@ -104,7 +111,34 @@ def build_sampling_arrays(rows: list[SamplingRow | None], history_len: int,
         any_penalties=np.bool_(any_penalties),
         any_logprobs=np.bool_(any(r is not None and r.logprobs for r in rows)),
         any_token_logprob=np.bool_(any(r is not None and r.logprobs is not None for r in rows)),
-        bitmask=bitmask, any_bitmask=np.bool_(any_bitmask))
+        bitmask=bitmask, any_bitmask=np.bool_(any_bitmask),
+        bias_ids=bias_ids, bias_values=bias_values, any_bias=np.bool_(any_bias))
+
+
+def _bias_arrays(rows: list[SamplingRow | None], unused_bias):
+    """(ids [N, MAX_LOGIT_BIAS], values, any): each row's logit_bias, -1 / 0 padded."""
+    n = len(rows)
+    if not any(r is not None and r.logit_bias for r in rows):
+        if unused_bias is not None:
+            return (*unused_bias, False)
+        return np.full((n, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((n, MAX_LOGIT_BIAS), np.float32), False
+    ids = np.full((n, MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
+    for i, r in enumerate(rows):
+        if r is None or not r.logit_bias:
+            continue
+        if len(r.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries per request")
+        ids[i, :len(r.logit_bias)] = list(r.logit_bias)
+        values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+    return ids, values, True
+
+
+def _apply_bias(logits, s: SamplingArrays):
+    """Adds each row's bias at its ids (OpenAI's logit_bias; padding entries add 0 to id 0)."""
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.bias_ids.shape)
+    return logits.at[rows, jnp.maximum(s.bias_ids, 0)].add(
+        jnp.where(s.bias_ids >= 0, s.bias_values, 0.0))
 
 
 def _apply_penalties(logits, s: SamplingArrays):
@@ -222,13 +256,13 @@ def sample_verified(logits, s: SamplingArrays, draft_token, draft_probs, *,
 def _sample(logits, s: SamplingArrays, random_choice, argmax, all_greedy_choice=None):
     """`random_choice(processed, s)` -> tokens, or (tokens, extra) with `all_greedy_choice`
     giving the same structure when every row is greedy; extra is appended to the outputs.
-    What only some requests ask for (penalties, a grammar, tokens held back by min_tokens,
-    logprobs) is a runtime branch a step without such a row skips: the log-softmax over the
+    What only some requests ask for (a logit bias, penalties, a grammar, tokens held back by
+    min_tokens, logprobs) is a runtime branch a step without such a row skips: the log-softmax over the
     vocabulary and the banned tokens' scatter are each a visible part of a CPU decode step.
     A call whose rows are all plain greedy takes the argmax of the logits as they are: each
     optional step's untaken branch would still copy the [N, V] logits through its cond."""
     plain_greedy = (jnp.all(s.temperature == 0.0) & ~s.any_penalties & ~s.any_bitmask
-                    & ~jnp.any(s.banned >= 0))
+                    & ~s.any_bias & ~jnp.any(s.banned >= 0))
 
     def plain(x, s_):
         return (argmax(x),) + (() if all_greedy_choice is None else (jnp.zeros_like(x),))
@@ -242,7 +276,9 @@ def _sample(logits, s: SamplingArrays, random_choice, argmax, all_greedy_choice=
 
 def _choose(logits, s: SamplingArrays, random_choice, all_greedy_choice, argmax):
     """(tokens [N],) or (tokens, extra): `_sample`'s choice with every optional step."""
-    processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, logits, s)
+    # The bias first, on the model's logits (as vLLM orders it: before the penalties).
+    processed = jax.lax.cond(s.any_bias, _apply_bias, lambda x, s_: x, logits, s)
+    processed = jax.lax.cond(s.any_penalties, _apply_penalties, lambda x, s_: x, processed, s)
     processed = jax.lax.cond(s.any_bitmask, _apply_bitmask, lambda x, m: x, processed, s.bitmask)
     processed = jax.lax.cond(jnp.any(s.banned >= 0), _hold_back, lambda x, b: x,
                              processed, s.banned)

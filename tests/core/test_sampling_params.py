@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jaxbatch import SamplingParams
-from jaxbatch.sampling_params import MAX_LOGPROBS
+from jaxbatch.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 INVALID = [
     ("temperature", dict(temperature=-1)),
@@ -45,6 +45,15 @@ INVALID = [
     ("stop_token_ids", dict(stop_token_ids=[1, "2"])),
     ("seed", dict(seed="7")),
     ("seed", dict(seed=1.5)),
+    ("logit_bias", dict(logit_bias=[(5, 1.0)])),
+    ("logit_bias", dict(logit_bias={5: 100.5})),
+    ("logit_bias", dict(logit_bias={5: -101})),
+    ("logit_bias", dict(logit_bias={5: math.inf})),
+    ("logit_bias", dict(logit_bias={5: "1"})),
+    ("logit_bias", dict(logit_bias={-1: 1.0})),
+    ("logit_bias", dict(logit_bias={"5": 1.0})),
+    ("logit_bias", dict(logit_bias={True: 1.0})),
+    ("logit_bias", dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})),
 ]
 
 
@@ -69,6 +78,8 @@ def test_defaults_are_valid_and_match_the_api():
     dict(min_tokens=16, max_tokens=16), dict(presence_penalty=-2.0), dict(frequency_penalty=2.0),
     dict(repetition_penalty=0.01), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
     dict(prompt_logprobs=0), dict(seed=0), dict(n=4), dict(stop_token_ids=[0, 5]),
+    dict(logit_bias={0: -100, 7: 100.0, 9: 0}),
+    dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}),
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)

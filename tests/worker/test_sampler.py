@@ -82,3 +82,46 @@ def test_logprobs_and_held_back_tokens_reach_exactly_the_rows_that_ask():
     order = np.argsort(-raw[2])[:MAX_LOGPROBS]
     np.testing.assert_array_equal(top_ids[2], order)
     np.testing.assert_allclose(top_lp[2], raw[2, order], rtol=1e-5, atol=1e-5)
+
+
+def test_logit_bias_moves_exactly_its_rows_and_leaves_logprobs_raw():
+    """A bias is added to its row's logits before sampling: +100 makes a token the greedy
+    choice, -100 takes the argmax away; rows without one sample as before, and a sampled
+    row with a seed draws the same token alone as in the batch (batch invariance)."""
+    import dataclasses
+
+    import jax
+
+    from jaxbatch.worker.sampler import build_sampling_arrays, sample
+
+    rng = np.random.default_rng(2)
+    vocab = 1000
+    logits = rng.standard_normal((4, vocab)).astype(np.float32) * 3
+    greedy = np.argmax(logits, axis=-1)
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    run = jax.jit(sample)
+
+    def sample_rows(rows, which=slice(None)):
+        arrays = build_sampling_arrays(rows, 16, vocab_size=vocab)
+        out = run(jnp.asarray(logits[which]), jax.tree.map(jnp.asarray, arrays))
+        return [np.asarray(a) for a in out]
+
+    lift = int(np.argsort(-logits[1])[500])            # far from the top
+    sampled = dataclasses.replace(_row(3, logprobs=0), temperature=1.0,
+                                  logit_bias={int(greedy[3]): -100.0, 17: 2.5})
+    rows = [_row(0), dataclasses.replace(_row(1, logprobs=0), logit_bias={lift: 100.0}),
+            dataclasses.replace(_row(2), logit_bias={int(greedy[2]): -100.0}), sampled]
+    tokens, token_lp, _, _ = sample_rows(rows)
+    assert tokens[0] == greedy[0]
+    assert tokens[1] == lift
+    np.testing.assert_allclose(token_lp[1], raw[1, lift], rtol=1e-5, atol=1e-5)   # raw
+    assert tokens[2] == np.argsort(-logits[2])[1]
+    assert tokens[3] != greedy[3]
+    alone, _, _, _ = sample_rows([sampled], slice(3, 4))
+    assert alone[0] == tokens[3]
+    # All rows greedy (the step's plain-argmax shortcut must not skip the bias).
+    np.testing.assert_array_equal(sample_rows(rows[:3], slice(0, 3))[0],
+                                  [greedy[0], lift, np.argsort(-logits[2])[1]])
+    # Without any bias the same rows give the plain choices.
+    plain = [dataclasses.replace(r, logit_bias=None) for r in rows[:3]]
+    np.testing.assert_array_equal(sample_rows(plain, slice(0, 3))[0], greedy[:3])

@@ -130,8 +130,8 @@ class _SamplingRequest(_Request):
             bad = check_fields(self.stream_options)
             if bad:
                 return "stream_options", bad[1]
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if any(not (k.isascii() and k.isdigit()) for k in self.logit_bias or ()):
+            return "logit_bias", "logit_bias keys must be token ids (integers, as strings)"
         lo, hi = SEED_RANGE
         if self.seed is not None and not lo <= self.seed < hi:
             return "seed", (f"seed must be in [0, 2**32): the engine honours 32-bit seeds, so "
@@ -159,7 +159,8 @@ class _SamplingRequest(_Request):
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            logit_bias=self.logit_bias and {int(k): v for k, v in self.logit_bias.items()})
 
     @property
     def include_usage(self) -> bool:
@@ -175,8 +176,8 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.stream:
+            return "echo", "echo is only returned without stream=true"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:

@@ -24,6 +24,8 @@ import re
 import time
 import uuid
 
+from jaxbatch.entrypoints.openai import echo as E
+from jaxbatch.entrypoints.openai.echo import MIN_LOGPROB
 from jaxbatch.entrypoints.openai import structured as S
 from jaxbatch.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from jaxbatch.entrypoints.openai import protocol as P
@@ -33,7 +35,6 @@ from jaxbatch.entrypoints.openai.preprocess import Preprocessor
 from jaxbatch.entrypoints.openai.streams import (  # noqa: F401
     SSEResponse, TextChunks, merge, sse, with_cancellation)
 
-MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
 CUT = "the server is shutting down: this request was aborted before it finished"
 
 
@@ -288,7 +289,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
-        params = _checked_params(req, req.max_tokens, req.logprobs)
+        params = E.ask_prompt_logprobs(req, _checked_params(req, E.max_tokens(req), req.logprobs))
         count = self.pre.check_completion(req)
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n", lora)
         handed_off = False
@@ -301,12 +302,12 @@ class OpenAIServing:
             if req.stream:
                 handed_off = True
                 return SSEResponse(self._completion_stream(req, rid, streams, n_prompt, ticket))
-            return await self._completion_full(req, rid, streams, n_prompt)
+            return await self._completion_full(req, rid, streams, n_prompt, prompts)
         finally:
             if not handed_off:
                 ticket.release()
 
-    async def _completion_full(self, req, rid, streams, n_prompt):
+    async def _completion_full(self, req, rid, streams, n_prompt, prompts):
         finals = {}
         try:
             async for k, out in merge(streams):
@@ -315,6 +316,8 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
         _check_not_cut([c for out in finals.values() for c in out.outputs])
+        if req.echo:
+            return await self._echoed(req, rid, finals, n_prompt, prompts)
         choices = [P.CompletionChoice(
             index=k * req.n + c.index, text=_text(c, req),
             logprobs=(self._completion_logprobs(c, 0, 0, req.return_tokens_as_token_ids)
@@ -323,6 +326,35 @@ class OpenAIServing:
             prompt_logprobs=self._prompt_logprobs(finals[k]) if c.index == 0 else None)
             for k in sorted(finals) for c in finals[k].outputs]
         n_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return P.CompletionResponse(id=rid, model=req.model or self.model_name, choices=choices,
+                                    usage=P.UsageInfo.of(n_prompt, n_gen, cached))
+
+    async def _echoed(self, req, rid, finals, n_prompt, prompts):
+        """echo (echo.py): each choice's prompt, then its completion (none when prompt-only)."""
+        as_id = req.return_tokens_as_token_ids
+        texts = await E.prompt_texts(req, prompts, self.pre.detokenize)
+        choices, n_gen = [], 0
+        for k in sorted(finals):
+            prompt_part = None
+            if req.logprobs is not None:
+                prompt_part = E.prompt_logprobs(prompts[k], finals[k].prompt_logprobs,
+                                                req.logprobs, lambda t: self._token_str(t, as_id))
+            for c in finals[k].outputs:
+                text, logprobs = texts[k], prompt_part
+                finish_reason, stop_reason = "length", None
+                if not E.prompt_only(req):
+                    text += _text(c, req)
+                    n_gen += len(c.token_ids)
+                    finish_reason, stop_reason = c.finish_reason, c.stop_reason
+                    if prompt_part is not None:
+                        logprobs = E.joined(prompt_part, self._completion_logprobs(
+                            c, 0, E.end_offset(prompt_part), as_id))
+                choices.append(P.CompletionChoice(
+                    index=k * req.n + c.index, text=text, logprobs=logprobs,
+                    finish_reason=finish_reason, stop_reason=stop_reason,
+                    prompt_logprobs=(self._prompt_logprobs(finals[k])
+                                     if c.index == 0 and req.prompt_logprobs is not None else None)))
         cached = sum(out.num_cached_tokens for out in finals.values())
         return P.CompletionResponse(id=rid, model=req.model or self.model_name, choices=choices,
                                     usage=P.UsageInfo.of(n_prompt, n_gen, cached))
