@@ -15,8 +15,6 @@ Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths ar
   online   Poisson arrivals at --request-rate: short requests (short/medium prompts) with long
            prompts among them; p99 TTFT of the short ones with chunked prefill vs chunking
            disabled (jaxbatch continuous only). The default of `latency`.
-  prefix   prefix caching on vs off: a shared system prompt, multi-turn conversations and
-           distinct prompts (`jaxbatch bench prefix`; not in the default set).
 Every timed jaxbatch run starts from an empty prefix cache.
 
 Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
@@ -34,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from jaxbatch.benchmarks import prefix as prefix_bench
 from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
                                          pow2_model_len, run_jaxbatch, step_stats, summarize,
                                          to_json, warm_jaxbatch, warmed_engine)
@@ -183,7 +180,7 @@ def parse_args(argv=None, workloads=("offline", "online"), prog=None, peers=None
                                  epilog=__doc__.split("\n\n", 1)[1])
     names = ENGINES + tuple(peers.goals if peers else ())
     ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
-    ap.add_argument("--workloads", nargs="+", choices=("offline", "online", "prefix"),
+    ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
                     default=list(workloads))
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="slots (a peer's batch size); default 16")
@@ -217,7 +214,6 @@ def parse_args(argv=None, workloads=("offline", "online"), prog=None, peers=None
                     help="jaxbatch engines: int8 weight-only layer matrices")
     ap.add_argument("--out", default="bench_out")
     add_price_argument(ap)
-    prefix_bench.add_arguments(ap)
     if extra:
         extra(ap)
     args = ap.parse_args(argv)
@@ -248,9 +244,6 @@ def run_cpu(args, report, peers=None):
                                    args.request_rate, args.online_lengths, args.seed,
                                    args.max_prompt_len)
         report["online"] = bench_online(args, loaded, requests)
-    if "prefix" in args.workloads:
-        args.slots, args.max_model_len = args.max_num_seqs, 2048
-        report["prefix"] = prefix_bench.bench_prefix(loaded, args)
 
 
 def start_report(args) -> dict:
@@ -298,9 +291,6 @@ def markdown(report) -> str:
     if "online" in report:
         parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
         parts.append(online_table(report["online"], price))
-    if "prefix" in report:
-        parts.append("\nPrefix caching\n")
-        parts.append(prefix_bench.markdown(report["prefix"], price))
     if report.get("targets"):
         parts.append("\nTargets\n")
         parts.append(targets_table(report["targets"]))

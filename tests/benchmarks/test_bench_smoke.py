@@ -190,14 +190,16 @@ def test_families_bench_runs_each_family_on_one_workload(tmp_path, capsys):
 
 def test_lora_bench_times_each_case_without_compiling(tmp_path):
     from jaxbatch.benchmarks import lora
-    assert lora.main(["--model", "tiny", "--rows", "4", "--rounds", "1", "--tokens", "10",
-                      "--max-loras", "2", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "lora.json").read_text())
+    lora.main(["--model", "tiny", "--rows", "4", "--rounds", "1", "--tokens", "10",
+               "--max-loras", "2", "--price-per-hour", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench_lora.json").read_text())
     assert report["compilations_after_warmup"] == [0, 0]
-    assert sorted(report["results"]) == sorted(
-        f"{name} @ 4" for name in ("no LoRA engine", "LoRA engine, 0 adapters",
-                                   "LoRA engine, 1 adapter", "LoRA engine, 2 adapters"))
-    assert all(v[0] > 0 for v in report["results"].values())
+    cases = ("no LoRA engine", "LoRA engine, 0 adapters", "LoRA engine, 1 adapter",
+             "LoRA engine, 2 adapters")
+    (result,) = report["results"].values()
+    assert sorted(result) == sorted(cases + ("ratio",))
+    assert all(result[case]["decode_step_ms"] > 0 for case in cases)
+    assert result["ratio"]["no LoRA engine"]["decode_step_ms"] == 1.0
 
 
 def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
