@@ -12,16 +12,13 @@ flags, its variants and cases, its measurement and its table, and nothing else:
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
 import statistics
-import sys
 import time
 from collections import deque
 
-from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
-from jaxbatch.benchmarks.report import cost_cell, price_line, stats_ms, write_report
+from jaxbatch.benchmarks.base import Benchmark
+from jaxbatch.benchmarks.report import cost_cell, stats_ms
 
 _RUN_IDS = itertools.count()
 
@@ -122,53 +119,16 @@ def tok_s_cells(tok_s, price: dict) -> list[str]:
     return [f"{tok_s:.1f}", cost_cell(tok_s, price)]
 
 
-class ABBenchmark:
-    """One `jaxbatch bench NAME` (its module's docstring is its --help): `main(argv)` parses
-    the flags (the benchmark's own, then --rounds, --seed, --out, --price-per-hour), loads the
-    model (`load`: the embedded one in float32 unless overridden), runs `bench`, writes
-    <out>/bench_<name>.json and .md, prints the table and returns the report."""
-    name = ""
+class ABBenchmark(Benchmark):
+    """A feature A/B: the base's flags and report, and --rounds (alias --repeats)."""
     rounds = 2          # --rounds' default
 
-    def add_arguments(self, ap) -> None:
-        pass
-
-    def load(self, args):
-        from jaxbatch.model.loader import load_model
-        return load_model(dtype="float32")
-
-    def bench(self, loaded, args) -> dict:
-        raise NotImplementedError
-
-    def markdown(self, report) -> str:
-        raise NotImplementedError
-
-    def parser(self) -> argparse.ArgumentParser:
-        doc = sys.modules[type(self).__module__].__doc__ or ""
-        ap = argparse.ArgumentParser(prog=f"jaxbatch bench {self.name}",
-                                     description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=doc.split("\n\n", 1)[-1])
-        self.add_arguments(ap)
+    def parser(self):
+        ap = super().parser()
         ap.add_argument("--rounds", "--repeats", type=int, default=self.rounds,
                         help="variants take turns this many times; figures are medians")
         ap.add_argument("--seed", type=int, default=0)
-        ap.add_argument("--out", default="bench_out")
-        add_price_argument(ap)
         return ap
 
-    def main(self, argv=None) -> dict:
-        args = self.parser().parse_args(argv)
-        if args.rounds < 1:
-            raise SystemExit("--rounds: at least 1")
-        start = time.perf_counter()
-        report = {"machine": machine_info(), "command": " ".join(sys.argv),
-                  "args": vars(args)}
-        report.update(self.bench(self.load(args), args))
-        report["bench_seconds"] = time.perf_counter() - start
-        report["machine"]["loadavg_at_end"] = os.getloadavg()
-        report["price"] = resolve_price(args.price_per_hour, report["machine"])
-        md = self.markdown(report) + "\n\n" + price_line(report["price"])
-        write_report(args.out, f"bench_{self.name}", report, md)
-        print(md)
-        return report
+    def check(self, args):
+        return "--rounds: at least 1" if args.rounds < 1 else None

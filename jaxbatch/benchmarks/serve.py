@@ -46,7 +46,7 @@ from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolv
 from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, pyplot, table, trio,
                                         write_json)
 from jaxbatch.benchmarks.serve_client import normalize_base, run_load, warm_up
-from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, make_workload
+from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, add_workload_flags, serve_workload
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -150,13 +150,8 @@ def parse_args(argv=None, prog="jaxbatch bench serve", extra=None, need_target=T
                     help="cap on requests in flight (one run per value)")
     ap.add_argument("--api", choices=("chat", "completions"), default="chat")
     ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--output-median", type=float, default=32)
-    ap.add_argument("--output-sigma", type=float, default=1.0)
-    ap.add_argument("--output-min", type=int, default=8)
-    ap.add_argument("--output-max", type=int, default=256)
+    add_workload_flags(ap)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
     ap.add_argument("--health-interval", type=float, default=0.1,
@@ -178,7 +173,6 @@ def parse_args(argv=None, prog="jaxbatch bench serve", extra=None, need_target=T
     args = ap.parse_args(argv)
     args.goodput = parse_goodput(args.goodput)
     args.extra_body = json.loads(args.extra_body)
-    args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
     if need_target and not args.target:
@@ -235,7 +229,7 @@ def main(argv=None, prog="jaxbatch bench serve", extra=None, driver=None) -> dic
     args = parse_args(argv, prog, extra, need_target=driver is None)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(args.num_prompts, args.lengths, args.seed, args.prompts)
+    workload = serve_workload(args, args.prompts)
     # The client's machine (no JAX needed here); the price defaults to it, so a server on
     # another machine (or a GPU) needs --price-per-hour.
     report = {"machine": machine_info(with_jax=False),

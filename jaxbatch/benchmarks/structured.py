@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from jaxbatch.benchmarks import harness, workloads
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
 
 SCHEMA = {"type": "object", "properties": {
@@ -50,12 +51,8 @@ class Structured(ABBenchmark):
 
     def add_arguments(self, ap) -> None:
         ap.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 1.0])
-        ap.add_argument("--num-requests", type=int, default=64)
-        ap.add_argument("--max-num-seqs", type=int, default=32)
-        ap.add_argument("--output-median", type=float, default=24)
-        ap.add_argument("--output-max", type=int, default=96)
-        ap.add_argument("--max-prompt-len", type=int, default=512)
-        ap.add_argument("--dtype", default="auto")
+        add_flags(ap, num_requests=64, max_num_seqs=32, output_median=24.0, output_max=96,
+                  max_prompt_len=512, dtype="auto")
 
     def load(self, args):
         from jaxbatch.model.loader import load_model

@@ -50,6 +50,6 @@ def test_spec_runs_on_and_off(tmp_path):
 def test_startup_runs_cold_and_warm(tmp_path):
     assert cli.main(["bench", "startup", "--skip-serial", "--max-num-seqs", "2",
                      "--max-model-len", "128", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "startup.json").read_text())["results"]
+    results = json.loads((tmp_path / "bench_startup.json").read_text())["results"]
     assert set(results) == {"cold", "warm"}
     assert all(r["llm_to_first_token_s"] > 0 for r in results.values())
