@@ -97,15 +97,15 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def compare(variants, rounds: int, measure, same_outputs: bool = False,
-            keep=("output_tokens_per_s",)) -> dict:
-    """`interleave`d runs summed up: {variant: its median run (without the per-token lists),
-    "ratio": {variant: {key: its / the first variant's, for each key of `keep`}}}; with
-    `same_outputs`, "outputs_equal": whether every run of every variant gave the same tokens
-    (greedy options that must not change the text: prefix caching, speculation)."""
+            keep=("output_tokens_per_s",), base=None) -> dict:
+    """`interleave`d runs summed up: {variant: its median run (without per-request lists),
+    "ratio": {variant: {key: its / the `base` variant's (default: the first), for each key of
+    `keep`}}}; with `same_outputs`, "outputs_equal": whether every run of every variant gave
+    the same tokens (greedy options that must not change the text: prefix caching, speculation)."""
     runs = interleave(variants, rounds, measure)
-    entry = {v: {k: x for k, x in median_run(rs).items() if k not in ("tokens", "texts", "steps")}
+    entry = {v: {k: x for k, x in median_run(rs).items() if not isinstance(x, list)}
              for v, rs in runs.items()}
-    base = entry[next(iter(runs))]
+    base = entry[next(iter(runs)) if base is None else base]
     entry["ratio"] = {v: {k: (entry[v][k] / base[k] if base.get(k) else None) for k in keep}
                       for v in runs}
     if same_outputs:
