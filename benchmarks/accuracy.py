@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -29,13 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.benchmarks.workloads import ACCURACY_TEXT as TEXT
+from jaxbatch.benchmarks.report import write_report
 from jaxbatch.model import precision
 from jaxbatch.model.decoder import compute_logits
 from jaxbatch.worker.model_calls import reference_forward, reference_params
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.rope import inverse_frequencies
 from jaxbatch.worker import attention, kv_cache
+
+TEXT = Path(__file__).with_name("data") / "accuracy_text.txt"   # ~4k tokens of original prose
 
 BLOCK_SIZE = 16
 VARIANTS = {  # name: (kv_cache_dtype, quantization)
@@ -182,16 +183,7 @@ def markdown(report) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=40, help="greedy generation length")
-    ap.add_argument("--no-greedy", action="store_true")
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--text", default=str(TEXT))
-    ap.add_argument("--out", default="accuracy_out")
-    args = ap.parse_args(argv)
-    if args.window % args.chunk:
-        ap.error("--window must be a multiple of --chunk")
+    args = parse_common(ap, argv, max_tokens=40)
     start = time.perf_counter()
     loaded = {q: load_model(args.model, args.dtype, quantization=q) for q in (None, "int8")}
     loaded["w8a8"] = loaded["int8"]                 # the same int8 weights
@@ -204,13 +196,34 @@ def main(argv=None) -> dict:
               "windows": windows, "tokens": tokens, "summary": summary,
               "failures": check_targets(summary), "jax": jax.__version__,
               "backend": jax.default_backend()}
+    return finish(report, args, start, "accuracy", markdown,
+                  lambda: greedy_side_by_side(loaded, args.max_tokens))
+
+
+def parse_common(ap, argv, max_tokens: int):
+    """The flags both accuracy instruments take (this one and accuracy_bf16.py), parsed."""
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="greedy generation length")
+    ap.add_argument("--no-greedy", action="store_true")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--text", default=str(TEXT))
+    ap.add_argument("--out", default="accuracy_out")
+    args = ap.parse_args(argv)
+    if args.window % args.chunk:
+        ap.error("--window must be a multiple of --chunk")
+    return args
+
+
+def finish(report, args, start, name, markdown, greedy) -> dict:
+    """The greedy side by side (unless --no-greedy), the time taken, <out>/<name>.json and .md,
+    the table printed."""
     if not args.no_greedy:
-        report["greedy"] = greedy_side_by_side(loaded, args.max_tokens)
+        report["greedy"] = greedy()
     report["seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(report, indent=1))
-    print(markdown(report))
+    md = markdown(report)
+    write_report(args.out, name, report, md)
+    print(md)
     return report
 
 

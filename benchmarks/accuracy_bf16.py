@@ -15,7 +15,6 @@ Writes accuracy_bf16.json and prints a markdown summary.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -96,16 +95,7 @@ def markdown(r) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--no-greedy", action="store_true")
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--text", default=str(accuracy.TEXT))
-    ap.add_argument("--out", default="accuracy_out")
-    args = ap.parse_args(argv)
-    if args.window % args.chunk:
-        ap.error("--window must be a multiple of --chunk")
+    args = accuracy.parse_common(ap, argv, max_tokens=32)
     start = time.perf_counter()
     loaded = {d: load_model(args.model, d) for d in DTYPES}
     cfg = loaded["float32"].config
@@ -114,14 +104,8 @@ def main(argv=None) -> dict:
     report = {"window": args.window, "chunk": args.chunk, "max_tokens": args.max_tokens,
               "teacher_forced": teacher_forced(params, cfg, ids, args.window, args.chunk),
               "jax": jax.__version__, "backend": jax.default_backend()}
-    if not args.no_greedy:
-        report["greedy"] = greedy(loaded, args.max_tokens)
-    report["seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy_bf16.json").write_text(json.dumps(report, indent=1))
-    print(markdown(report))
-    return report
+    return accuracy.finish(report, args, start, "accuracy_bf16", markdown,
+                           lambda: greedy(loaded, args.max_tokens))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.machine import machine_info
 from jaxbatch.benchmarks.report import table, write_report
 
@@ -104,12 +105,7 @@ def measure(rows: int, ctx: int, block: int, layers: int, heads: int, kv_heads: 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
+    add_flags(ap, context=256, block_size=16, layers=30, heads=9, kv_heads=3, head_dim=64)
     ap.add_argument("--reps", type=int, default=15, help="timed rounds (each order once)")
     ap.add_argument("--out", default="bench_out/attention_read")
     args = ap.parse_args(argv)

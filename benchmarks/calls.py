@@ -1,4 +1,4 @@
-"""Our CPU kernels' calls in a running engine, timed where they run (`cpu_kernels/call_log.py`):
+"""Our CPU kernels' calls in a running engine, timed where they run (`benchmarks/call_log.py`):
 per kernel and sizes, calls per decode step, their median and mean, and how much of the step
 they fill. The rest of a step is XLA's own ops, the gaps between calls and the host's share of
 the cores. Unlike `bench ops` (XLA's profiler), nothing traces the step while it is timed.
@@ -20,7 +20,7 @@ import statistics
 
 import numpy as np
 
-from cpu_kernels import call_log
+from benchmarks import call_log
 from jaxbatch.benchmarks.machine import machine_info
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report

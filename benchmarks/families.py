@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.machine import machine_info
 from jaxbatch.benchmarks.report import table, write_report
 
@@ -83,18 +84,8 @@ def run_round(engine, requests, tag: str) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
+    add_flags(ap, hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=4, vocab=49152,
+              window=128, num_requests=32, max_num_seqs=16, dtype="auto", rounds=3, seed=0)
     ap.add_argument("--out", default="bench_out/families")
     args = ap.parse_args(argv)
 

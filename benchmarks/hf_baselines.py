@@ -13,8 +13,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from jaxbatch.benchmarks import throughput
 from jaxbatch.benchmarks.harness import RunResult, Trace
+from jaxbatch.benchmarks.throughput import Peers, Throughput
 
 # The ratio continuous batching is to reach against each (the seed issue's targets).
 GOALS = {"hf_generate": 3.0, "hf_generate_batch": 1.5}
@@ -137,14 +137,16 @@ def setup(args, requests) -> dict:
             "hf_generate_batch": lambda reqs, slots: run_hf_generate_batch(model, reqs, slots)}
 
 
-def add_threads(ap) -> None:
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+class ThroughputHF(Throughput):
+    name, prog, workloads = "throughput-hf", "python -m benchmarks throughput-hf", ("offline",)
+    peers = Peers(goals=GOALS, setup=setup)
+
+    def add_arguments(self, ap) -> None:
+        super().add_arguments(ap)
+        ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
 
 
-def main(argv=None) -> dict:
-    peers = throughput.Peers(goals=GOALS, setup=setup)
-    return throughput.main(argv, workloads=("offline",), prog="python -m benchmarks throughput-hf",
-                           peers=peers, extra=add_threads)
+main = ThroughputHF().main
 
 
 if __name__ == "__main__":

@@ -116,22 +116,13 @@ class Bench:
 
     def flood(self):
         k, prompts, n = (4, 16, 2) if self.tiny else (32, 64, 2)
-        before, t0, codes = rss_mb(self.pid), time.monotonic(), []
+        before, t0 = rss_mb(self.pid), time.monotonic()
 
         def one():
-            try:
-                codes.append(httpx.post(self.base + "/v1/completions", timeout=300, json={
-                    "prompt": ["Tell me a story."] * prompts, "n": n,
-                    "max_tokens": 8}).status_code)
-            except httpx.HTTPError as e:
-                codes.append(type(e).__name__)
-        threads = [threading.Thread(target=one) for _ in range(k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        status = ",".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes), key=str))
-        self.row(f"flood: {k} x {prompts} prompts x n={n}", status, time.monotonic() - t0, before)
+            return httpx.post(self.base + "/v1/completions", timeout=300, json={
+                "prompt": ["Tell me a story."] * prompts, "n": n, "max_tokens": 8}).status_code
+        self.row(f"flood: {k} x {prompts} prompts x n={n}", _statuses(one, k),
+                 time.monotonic() - t0, before)
 
     def slowloris(self):
         count, seconds = self.slowloris_size or ((6, 4.0) if self.tiny else (100, 30.0))
@@ -158,27 +149,18 @@ class Bench:
     def saturation(self):
         count = 8 if self.tiny else 64
         before, t0 = rss_mb(self.pid), time.monotonic()
-        probe, codes = self.health_probe(), []
+        probe = self.health_probe()
 
         def one():
-            try:
-                with httpx.stream("POST", self.base + "/v1/completions", timeout=600, json={
-                        "prompt": "Tell me a story.", "max_tokens": 32 if self.tiny else 128,
-                        "ignore_eos": True, "stream": True}) as r:
-                    for _ in r.iter_lines():
-                        pass
-                    codes.append(r.status_code)
-            except httpx.HTTPError as e:
-                codes.append(type(e).__name__)
-        threads = [threading.Thread(target=one) for _ in range(count)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        lat = probe.stop()
-        status = ",".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes), key=str))
+            with httpx.stream("POST", self.base + "/v1/completions", timeout=600, json={
+                    "prompt": "Tell me a story.", "max_tokens": 32 if self.tiny else 128,
+                    "ignore_eos": True, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    pass
+                return r.status_code
+        status = _statuses(one, count)
         self.row(f"saturation: {count} streams", status, time.monotonic() - t0, before,
-                 health_p99_ms=_p99_ms(lat))
+                 health_p99_ms=_p99_ms(probe.stop()))
 
     def disconnect(self):
         count = 16 if self.tiny else 180
@@ -264,6 +246,24 @@ def _probe_loop(base, stop, out) -> None:
             lat.append(time.monotonic() - t0 if ok else float("inf"))
             time.sleep(0.02)
     out.put(lat)
+
+
+def _statuses(request, count: int) -> str:
+    """`request()` (a status code) on `count` threads at once: "200x30,503x2" (an HTTP error
+    counts by its type's name)."""
+    codes = []
+
+    def one():
+        try:
+            codes.append(request())
+        except httpx.HTTPError as e:
+            codes.append(type(e).__name__)
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ",".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes), key=str))
 
 
 def _p99_ms(lat: list[float]) -> float | None:

@@ -220,36 +220,39 @@ def offline_notes(ob: dict) -> list[str]:
     return lines
 
 
-def add_flags(ap) -> None:
-    ap.add_argument("--launch", nargs="+", default=[], choices=LAUNCHABLE,
-                    help="start these servers here, one at a time, on free 127.0.0.1 ports")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="launched servers and offline")
-    ap.add_argument("--serve-args", default="",
-                    help="extra flags for launched jaxbatch servers (and, as LLM kwargs, for "
-                         "--offline-baseline), e.g. '--max-model-len 1024'")
-    ap.add_argument("--jaxbatch-python", default=sys.executable)
-    ap.add_argument("--jaxbatch-model", default=None, help="MODEL for jaxbatch (default embedded)")
-    ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
-    ap.add_argument("--vllm-model", default=None, help="HF directory for --launch vllm")
-    ap.add_argument("--vllm-args", default="--max-model-len 2048",
-                    help="extra flags for a launched vLLM server")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--offline-baseline", action="store_true",
-                    help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
-                         "after each round) and report served / offline output tok/s")
-    ap.add_argument("--offline-passes", type=int, default=1,
-                    help="timed offline passes after the untimed one (best is reported)")
-
-
-class Driver:
-    """serve.main's driver: the launched servers, the offline pass after every round."""
+class ServeLaunch(serve.Serve):
+    """`jaxbatch bench serve` with its servers started here, one at a time, and the offline
+    pass after every round."""
+    name, prog, report_name = "serve-launch", "python -m benchmarks serve-launch", "bench_serve"
+    need_target = False
 
     def __init__(self):
         self.offline = []
 
-    def servers(self, args, out_dir, report):
+    def add_arguments(self, ap) -> None:
+        super().add_arguments(ap)
+        ap.add_argument("--launch", nargs="+", default=[], choices=LAUNCHABLE,
+                        help="start these servers here, one at a time, on free 127.0.0.1 ports")
+        ap.add_argument("--max-num-seqs", type=int, default=16, help="launched servers and offline")
+        ap.add_argument("--serve-args", default="",
+                        help="extra flags for launched jaxbatch servers (and, as LLM kwargs, for "
+                             "--offline-baseline), e.g. '--max-model-len 1024'")
+        ap.add_argument("--jaxbatch-python", default=sys.executable)
+        ap.add_argument("--jaxbatch-model", default=None, help="MODEL for jaxbatch (default embedded)")
+        ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
+        ap.add_argument("--vllm-model", default=None, help="HF directory for --launch vllm")
+        ap.add_argument("--vllm-args", default="--max-model-len 2048",
+                        help="extra flags for a launched vLLM server")
+        ap.add_argument("--startup-timeout", type=float, default=900.0)
+        ap.add_argument("--offline-baseline", action="store_true",
+                        help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
+                             "after each round) and report served / offline output tok/s")
+        ap.add_argument("--offline-passes", type=int, default=1,
+                        help="timed offline passes after the untimed one (best is reported)")
+
+    def servers(self, args, report):
         for kind in args.launch:
-            server = LaunchedServer(kind, args, out_dir)
+            server = LaunchedServer(kind, args, Path(args.out))
             info = report["servers"].setdefault(kind, {"command": shlex.join(server.cmd)})
             try:
                 info["startup_s"] = server.wait_ready(args.startup_timeout)
@@ -260,15 +263,15 @@ class Driver:
             finally:
                 server.stop()
 
-    def between(self, args, workload, out_dir):
+    def between(self, args, workload):
         if args.offline_baseline:
-            self.offline.append(run_offline_baseline(args, workload, out_dir))
+            self.offline.append(run_offline_baseline(args, workload, Path(args.out)))
 
-    def finish(self, args, report, workload, out_dir) -> list[str]:
+    def notes(self, args, report, workload) -> list[str]:
         if not args.offline_baseline:
             return []
         while len(self.offline) < args.rounds:       # no server ran: the offline rounds alone
-            self.between(args, workload, out_dir)
+            self.between(args, workload)
         report["offline_baseline"] = served_vs_offline(report["runs"], self.offline)
         return offline_notes(report["offline_baseline"])
 
@@ -278,8 +281,7 @@ def main(argv=None) -> dict:
     if argv[:1] == ["--offline-worker"]:
         offline_worker(argv[1])
         return {}
-    return serve.main(argv, prog="python -m benchmarks serve-launch", extra=add_flags,
-                      driver=Driver())
+    return ServeLaunch().main(argv)
 
 
 if __name__ == "__main__":

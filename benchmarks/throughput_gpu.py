@@ -11,9 +11,9 @@ import gc
 import numpy as np
 
 from benchmarks import gpu_e2e as random_models
-from jaxbatch.benchmarks import throughput
-from jaxbatch.benchmarks.harness import (ideal_ratio, pow2_model_len, run_jaxbatch, step_stats,
-                                         summarize, warmed_engine)
+from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, pow2_model_len,
+                                         run_jaxbatch, step_stats, summarize, warmed_engine)
+from jaxbatch.benchmarks.throughput import Throughput, engine_table
 from benchmarks.observer import KvReadMeter, observe
 from jaxbatch.benchmarks.report import fmt, table
 from jaxbatch.benchmarks.workloads import load_prompts, offline_requests, synthetic_prompt_ids
@@ -78,51 +78,55 @@ def bench_gpu(args, entries) -> dict:
     return out
 
 
-def gpu_flags(ap) -> None:
-    ap.add_argument("--gpu-models", nargs="+", default=None,
-                    help="shapes from gpu_e2e.MODEL_SHAPES (default 1B 8B)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="on CPU with a tiny random model and short prompts")
+class ThroughputGPU(Throughput):
+    name, prog, workloads = "throughput-gpu", "python -m benchmarks throughput-gpu", ("offline",)
+
+    def add_arguments(self, ap) -> None:
+        super().add_arguments(ap)
+        ap.add_argument("--gpu-models", nargs="+", default=None,
+                        help="shapes from gpu_e2e.MODEL_SHAPES (default 1B 8B)")
+        ap.add_argument("--dry-run", action="store_true",
+                        help="on CPU with a tiny random model and short prompts")
+
+    def load(self, args):
+        return None                         # bench_gpu builds its random models one by one
+
+    def resolve(self, args):
+        args.warmup = args.warmup or "workload"
+        args.max_num_seqs = args.max_num_seqs or (4 if args.dry_run else 64)
+        args.num_requests = args.num_requests or (12 if args.dry_run else 4 * args.max_num_seqs)
+        args = super().resolve(args)
+        if args.dry_run:
+            # Tiny everything: checks the GPU path's code on CPU, Pallas in interpret mode.
+            args.max_num_seqs, args.num_requests = min(args.max_num_seqs, 4), min(args.num_requests, 12)
+            args.max_prompt_len = args.max_prompt_len or 40
+            args.lengths = (8, args.output_sigma, 2, 24)
+            args.engine_kwargs["attention_backend"] = "pallas_interpret"
+        return args
+
+    def bench(self, loaded, args) -> dict:
+        args = self.resolve(args)
+        return {"xla_cache": enable_xla_cache(args.xla_cache),
+                "gpu": bench_gpu(args, load_prompts(args.prompts))}
+
+    def plots(self, report, out_dir):
+        return []
+
+    def markdown(self, report) -> str:
+        parts, price = [], report["price"]
+        for name, m in report["gpu"]["models"].items():
+            parts.append(f"\nGPU {name} (bf16 random weights), copy bandwidth "
+                         f"{report['gpu']['copy_GBps']:.0f} GB/s, ideal ratio "
+                         f"{m['ideal']['ideal_ratio']:.2f}\n")
+            parts.append(engine_table(m["summaries"], price) + "\n")
+            parts.append(table(["engine", "MBU median", "MBU aggregate", "decode step ms"],
+                               [[b, fmt(s["mbu_median"], 2), fmt(s["mbu_aggregate"], 2),
+                                 fmt(s["decode_step_ms_median"], 2)]
+                                for b, s in m["summaries"].items()]))
+        return "\n".join(parts)
 
 
-def parse_args(argv=None):
-    given = argv if argv is not None else __import__("sys").argv[1:]
-    args = throughput.parse_args(argv, ("offline",), "python -m benchmarks throughput-gpu",
-                                 extra=gpu_flags)
-    if "--warmup" not in given:
-        args.warmup = "workload"
-    if "--max-num-seqs" not in given:
-        args.max_num_seqs = 4 if args.dry_run else 64
-    if "--num-requests" not in given:
-        args.num_requests = 12 if args.dry_run else 4 * args.max_num_seqs
-    if args.dry_run:
-        # Tiny everything: checks the GPU path's code on CPU, Pallas in interpret mode.
-        args.max_num_seqs, args.num_requests = min(args.max_num_seqs, 4), min(args.num_requests, 12)
-        args.max_prompt_len = args.max_prompt_len or 40
-        args.lengths = (8, args.output_sigma, 2, 24)
-        args.engine_kwargs["attention_backend"] = "pallas_interpret"
-    return args
-
-
-def markdown(report) -> str:
-    parts, price = [], report["price"]
-    for name, m in report["gpu"]["models"].items():
-        parts.append(f"\nGPU {name} (bf16 random weights), copy bandwidth "
-                     f"{report['gpu']['copy_GBps']:.0f} GB/s, ideal ratio "
-                     f"{m['ideal']['ideal_ratio']:.2f}\n")
-        parts.append(throughput.engine_table(m["summaries"], price) + "\n")
-        parts.append(table(["engine", "MBU median", "MBU aggregate", "decode step ms"],
-                           [[b, fmt(s["mbu_median"], 2), fmt(s["mbu_aggregate"], 2),
-                             fmt(s["decode_step_ms_median"], 2)]
-                            for b, s in m["summaries"].items()]))
-    return "\n".join(parts + ["\n" + throughput.price_line(price)])
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    report = throughput.start_report(args)
-    report["gpu"] = bench_gpu(args, load_prompts(args.prompts))
-    return throughput.finish(args, report, markdown, plots=False)
+main = ThroughputGPU().main
 
 
 if __name__ == "__main__":

@@ -22,19 +22,14 @@ import os
 import time
 
 from jaxbatch.benchmarks.report import emit_json
-from jaxbatch.benchmarks.workloads import encode_prompts, make_workload
+from jaxbatch.benchmarks.workloads import add_workload_flags, encode_prompts, serve_workload
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_offline",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF directory (scripts/export_safetensors.py)")
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--output-median", type=float, default=32)
-    ap.add_argument("--output-sigma", type=float, default=1.0)
-    ap.add_argument("--output-min", type=int, default=8)
-    ap.add_argument("--output-max", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_flags(ap)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="float32")
@@ -59,8 +54,7 @@ def main(argv=None):
     import vllm
     from vllm import LLM, SamplingParams
 
-    workload = make_workload(args.num_prompts, (args.output_median, args.output_sigma,
-                                                args.output_min, args.output_max), args.seed)
+    workload = serve_workload(args)
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, seed=0,

@@ -26,8 +26,8 @@ q.K and p.V per pool element type (a bf16 pool's keys are grouped: pallas_kernel
 KEY_GROUP); pool_dispatch.h how each kernel runs its work on XLA's intra-op threads (and hands
 it to them when called on another thread); kv_prefetch.h (its memory in kv_hints.py) the hint
 channel through which decode attention names the next layer's pages to the GEMMs before it;
-call_log.h (its memory in call_log.py) each call's kernel, sizes and times while `python -m benchmarks calls`
-records them, in an instrumented build only; checks.h what every handler checks before it
+call_log.h (its memory in the lab's benchmarks/call_log.py) each call's kernel, sizes and times
+while `python -m benchmarks calls` records them, in an instrumented build only; checks.h what every handler checks before it
 runs; handout.py how that memory of ours reaches each library.
 
 No switch is read from the environment (only the toolchain, CXX, and the cache's place,
@@ -39,8 +39,11 @@ build.py): the engine says how the kernels are used, from its config.
                            logger); "off": every kernel reports "turned off"; "required": a
                            kernel that cannot run raises RuntimeError. kv_prefetch False turns
                            the hint channel off (results are the same either way).
-    call_log.instrument()  before any kernel registers: the kernels are built with the call
-                           log (`python -m benchmarks calls`); production builds carry none
+    availability.instrument(flags, on_load)
+                           before any kernel registers: this process's kernels are built
+                           with an instrument's flags and handed to it as they load (the
+                           lab's call log, `python -m benchmarks calls`); production builds
+                           carry none
 
     KERNELS                the kernel modules: each has TARGETS (its FFI targets) and
                            unavailable_reason(), which registers them where they run

@@ -6,6 +6,9 @@ the switch the engine sets from its configuration (`configure`).
         reason is logged once; "off": every kernel reports "turned off" and none is built;
         "required": a kernel that cannot run raises RuntimeError instead. kv_prefetch: the
         decode → GEMM prefetch hints (kv_hints.py; results are the same either way).
+    instrument(flags, on_load)
+        before any kernel registers: an instrumented build for this process (the lab's
+        benchmarks/call_log.py asks for one); production builds carry no instrument.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import build, call_log, kv_hints
+from cpu_kernels import build, kv_hints
 
 # The instruction sets every kernel here is compiled for.
 # (Every CPU with AVX512-BF16 has AVX512-VNNI too: the W8A8 GEMM's `vpdpbusd`.)
@@ -52,10 +55,26 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+_INSTRUMENTS: list[tuple[tuple[str, ...], object]] = []     # (flags, on_load), in order asked
+_SEALED = False              # a kernel has registered: this process's build flags are chosen
+
+
+def instrument(flags, on_load) -> None:
+    """Every kernel library of this process is built with `flags` as well (a library of its
+    own in the cache, since the flags are part of its name) and handed to `on_load(lib)` once
+    loaded: how an instrument outside the package compiles its probes in. Raises RuntimeError
+    once a kernel has registered (its library is built without them)."""
+    if _SEALED:
+        raise RuntimeError("cpu_kernels.availability.instrument(): a kernel has registered in "
+                           "this process already, built without the instrument; instrument "
+                           "first (before any engine or kernel), or in a process of its own")
+    _INSTRUMENTS.append((tuple(flags), on_load))
+
+
 def build_flags() -> tuple[str, ...]:
-    """The compiler flags of this process's libraries: FLAGS, and the call log's macro in an
-    instrumented process (call_log.instrument: a library of its own in the cache)."""
-    return FLAGS + (("-DJAXBATCH_CALL_LOG",) if call_log.instrumented() else ())
+    """The compiler flags of this process's libraries: FLAGS, and an instrumented process's
+    own (`instrument`)."""
+    return FLAGS + tuple(flag for flags, _ in _INSTRUMENTS for flag in flags)
 
 
 _REGISTER_LOCK = threading.Lock()
@@ -72,14 +91,16 @@ def _register(source: str, symbol: str, target: str) -> str | None:
         reason = f"this CPU lacks {', '.join(sorted(missing))}"
         build.warn_once(f"cpu_kernels: {reason}; the jnp path runs instead")
         return reason
-    call_log.seal()                     # the build's flags are chosen now, for the process
+    global _SEALED
+    _SEALED = True                      # the build's flags are chosen now, for the process
     try:
         _, lib = build.load_library(source, build_flags())
     except build.BuildError as e:       # logged once by build
         return f"could not build {source}: {e}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     kv_hints.wire(lib)
-    call_log.wire(lib)
+    for _, on_load in _INSTRUMENTS:
+        on_load(lib)
     return None
 
 

@@ -11,16 +11,13 @@ import dataclasses
 import heapq
 import math
 import os
-import sys
 import time
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxbatch.benchmarks.machine import machine_info, resolve_price
-from jaxbatch.benchmarks.report import stats_ms, to_json as _default_json, write_json
+from jaxbatch.benchmarks.report import stats_ms
 
 def ideal_ratio(output_lens, slots) -> dict:
     """Decode steps each batching mode needs for these lengths (prefill ignored; a request holds
@@ -62,6 +59,14 @@ class RunResult:
     # wall time of each of those steps (the gaps between step ends also hold idle waits)
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """As a report holds it: traces and step log, times from the run's start."""
+        return {"engine": self.engine, "info": self.info, "steps": self.steps,
+                "step_seconds": self.step_seconds,
+                "traces": [{**dataclasses.asdict(t), "arrival": t.arrival - self.start,
+                            "token_times": [x - self.start for x in t.token_times]}
+                           for t in self.traces]}
 
 
 def summarize(run: RunResult, traces=None) -> dict:
@@ -208,29 +213,3 @@ def enable_xla_cache(path):
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
     return path or None
-
-
-def to_json(obj):
-    """Reports hold RunResults (serialised with traces and step logs, times from the run's
-    start) besides what report.to_json handles."""
-    if isinstance(obj, RunResult):
-        return {"engine": obj.engine, "info": obj.info, "steps": obj.steps,
-                "step_seconds": obj.step_seconds,
-                "traces": [{**dataclasses.asdict(t), "arrival": t.arrival - obj.start,
-                            "token_times": [x - obj.start for x in t.token_times]}
-                           for t in obj.traces]}
-    return _default_json(obj)
-
-
-def run_on_embedded_model(bench, args, json_name: str) -> dict:
-    """`bench(loaded, args)` on the embedded model (float32), timed, written to args.out; with
-    args.price_per_hour (add_price_argument), the report's "price" is resolved too."""
-    from jaxbatch.model.loader import load_model
-    start = time.perf_counter()
-    report = {"machine": machine_info(), "command": " ".join(sys.argv)}
-    report.update(bench(load_model(dtype="float32"), args))
-    report["bench_seconds"] = time.perf_counter() - start
-    if hasattr(args, "price_per_hour"):
-        report["price"] = resolve_price(args.price_per_hour, report["machine"])
-    write_json(Path(args.out) / json_name, report, to_json)
-    return report

@@ -3,12 +3,11 @@ chunking disabled -- the throughput benchmark's `online` workload (see throughpu
 flag of `jaxbatch bench throughput` applies)."""
 from __future__ import annotations
 
-from jaxbatch.benchmarks import throughput
+from jaxbatch.benchmarks.throughput import Throughput
 
 
-def main(argv=None) -> dict:
-    return throughput.main(argv, workloads=("online",), prog="jaxbatch bench latency")
+class Latency(Throughput):
+    name, workloads = "latency", ("online",)
 
 
-if __name__ == "__main__":
-    main()
+main = Latency().main

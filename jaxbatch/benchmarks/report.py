@@ -65,7 +65,10 @@ def price_line(price: dict) -> str:
 
 
 def to_json(obj):
-    """json.dumps default: numpy scalars and arrays, dataclasses, paths; anything else as str."""
+    """json.dumps default: what has its own `to_json()`, numpy scalars and arrays,
+    dataclasses; anything else as str."""
+    if hasattr(obj, "to_json"):
+        return obj.to_json()
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, np.ndarray):

@@ -20,15 +20,15 @@ over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 
-from jaxbatch.benchmarks.machine import cpu_count, machine_info
+from jaxbatch.benchmarks.base import Benchmark
+from jaxbatch.benchmarks.machine import cpu_count
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
-from jaxbatch.benchmarks.report import table, write_report
+from jaxbatch.benchmarks.report import table
 
 
 def _best_seconds(fn, *args, reps: int = 10) -> float:
@@ -238,56 +238,66 @@ def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
             "floor_ms": 1e3 * flops / peak, "step_over_floor": step * peak / flops}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--context", type=int, default=256, help="a power of two")
-    ap.add_argument("--steps", type=int, default=20, help="timed rounds per row count")
-    ap.add_argument("--prefill-tokens", type=int, default=256)
-    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
-    add_model_arguments(ap)
-    ap.add_argument("--out", default="bench_out/roofline")
-    args = ap.parse_args(argv)
-    ctx = args.context
-    if args.steps < 1:
-        ap.error("--steps must be at least 1")
-    if ctx & (ctx - 1) or ctx - (ROUND_STEPS * args.steps + 3) <= ctx // 2:
-        ap.error(f"--context {ctx}: a power of two > 2 * ({ROUND_STEPS} * steps + 3), so every "
-                 f"length stays in one page bucket through every timed step")
-    loaded = load_bench_model(args)
-    dtype = loaded.params["embed"].dtype        # the matmuls' (int8 weights dequantize to it)
-    bandwidth, reads = copy_bandwidth(), read_bandwidth()
-    peak = gemm_peak(dtype, quantization=args.quantization)
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s, "
-          f"{dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
-    decodes = [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak, reads,
-                           args.quantization) for rows in args.rows]
-    prefill = prefill_chunk(loaded, args.prefill_tokens, peak, args.quantization)
-    md = "\n\n".join([
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; read bandwidth {reads / 1e9:.1f} GB/s; "
-        f"{dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s; "
-        f"{loaded.source}, weights {args.quantization or dtype}",
-        table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
-               "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
-               "overlapped / floor", "sequential floor at read rate ms",
-               "overlapped / sequential", "overlapped / bandwidth floor",
-               "reachable / bandwidth floor"],
-              [[d["rows"], d["context"], f"{d['step_ms']:.1f}", f"{d['overlapped_step_ms']:.1f}",
-                f"{d['weight_mb']:.0f}", f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
-                f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})",
-                f"{d['overlapped_over_floor']:.2f}", f"{d['sequential_floor_ms']:.1f}",
-                f"{d['overlapped_over_sequential']:.2f}",
-                f"{d['overlapped_over_bandwidth_floor']:.2f}",
-                f"{d['reachable_over_bandwidth_floor']:.2f}"]
-               for d in decodes]),
-        table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
-              [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",
-                f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
-    print(md)
-    report = {"machine": machine_info(), "args": vars(args), "copy_bandwidth_bytes_s": bandwidth,
-              "read_bandwidth_bytes_s": reads,
-              "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype), "decode": decodes,
-              "prefill": prefill}
-    for path in write_report(args.out, "roofline", report, md):
-        print("wrote", path)
-    return 0
+class Roofline(Benchmark):
+    name = "roofline"
+
+    def add_arguments(self, ap) -> None:
+        ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+        ap.add_argument("--context", type=int, default=256, help="a power of two")
+        ap.add_argument("--steps", type=int, default=20, help="timed rounds per row count")
+        ap.add_argument("--prefill-tokens", type=int, default=256)
+        ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
+        add_model_arguments(ap)
+
+    def check(self, args):
+        ctx = args.context
+        if args.steps < 1:
+            return "--steps must be at least 1"
+        if ctx & (ctx - 1) or ctx - (ROUND_STEPS * args.steps + 3) <= ctx // 2:
+            return (f"--context {ctx}: a power of two > 2 * ({ROUND_STEPS} * steps + 3), so "
+                    f"every length stays in one page bucket through every timed step")
+        return None
+
+    def load(self, args):
+        return load_bench_model(args)
+
+    def bench(self, loaded, args) -> dict:
+        dtype = loaded.params["embed"].dtype    # the matmuls' (int8 weights dequantize to it)
+        bandwidth, reads = copy_bandwidth(), read_bandwidth()
+        peak = gemm_peak(dtype, quantization=args.quantization)
+        print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s,"
+              f" {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
+        return {"model": loaded.source, "weights": args.quantization or str(dtype),
+                "copy_bandwidth_bytes_s": bandwidth,
+                "read_bandwidth_bytes_s": reads, "gemm_peak_flop_s": peak,
+                "gemm_dtype": str(dtype),
+                "decode": [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak,
+                                       reads, args.quantization) for rows in args.rows],
+                "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, args.quantization)}
+
+    def markdown(self, report) -> str:
+        prefill = report["prefill"]
+        return "\n\n".join([
+            f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; read bandwidth "
+            f"{report['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {report['gemm_dtype']} GEMM "
+            f"peak {report['gemm_peak_flop_s'] / 1e12:.2f} TFLOP/s; {report['model']}, weights "
+            f"{report['weights']}",
+            table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
+                   "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
+                   "overlapped / floor", "sequential floor at read rate ms",
+                   "overlapped / sequential", "overlapped / bandwidth floor",
+                   "reachable / bandwidth floor"],
+                  [[d["rows"], d["context"], f"{d['step_ms']:.1f}",
+                    f"{d['overlapped_step_ms']:.1f}", f"{d['weight_mb']:.0f}",
+                    f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
+                    f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})",
+                    f"{d['overlapped_over_floor']:.2f}", f"{d['sequential_floor_ms']:.1f}",
+                    f"{d['overlapped_over_sequential']:.2f}",
+                    f"{d['overlapped_over_bandwidth_floor']:.2f}",
+                    f"{d['reachable_over_bandwidth_floor']:.2f}"] for d in report["decode"]]),
+            table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
+                  [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",
+                    f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
+
+
+main = Roofline().main

@@ -32,21 +32,17 @@ then hold every prompt for the timed runs; turn it off on the server to measure 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import itertools
 import json
 import math
-import os
-import time
 from pathlib import Path
 
-from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
-from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, pyplot, table, trio,
-                                        write_json)
+from jaxbatch.benchmarks.base import Benchmark
+from jaxbatch.benchmarks.report import cost_cell, fmt, pyplot, table, trio
 from jaxbatch.benchmarks.serve_client import normalize_base, run_load, warm_up
-from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, make_workload
+from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, add_workload_flags, serve_workload
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -57,7 +53,8 @@ def rate_label(rate: float, conc) -> str:
 
 
 def markdown(report: dict, notes=()) -> str:
-    """The table, the price, then `notes` (a driver's lines) and any server's error."""
+    """The table, then `notes` (a subclass's lines) and any server's error (the base adds the
+    price)."""
     price = report.get("price") or {}
     goodput = any("goodput" in r["summary"] for r in report["runs"])
     rows = []
@@ -76,8 +73,7 @@ def markdown(report: dict, notes=()) -> str:
              "total tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms",
              "ITL mean/med/p99 ms", "E2EL mean/med/p99 ms"]
             + (["goodput req/s"] if goodput else []) + ["/health p50/p99/max ms"])
-    parts = [table(head, rows), "", price_line(price)]
-    parts += list(notes)
+    parts = [table(head, rows)] + list(notes)
     for name, info in report.get("servers", {}).items():
         if info.get("error"):
             parts.append(f"\n{name}: {info['error']}")
@@ -136,63 +132,6 @@ def parse_goodput(items) -> dict | None:
     return slo
 
 
-def parse_args(argv=None, prog="jaxbatch bench serve", extra=None, need_target=True):
-    """`extra(ap)` adds a driver's flags; a driver that starts its own servers needs no
-    --target."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=BASE_URL",
-                    help="a running server, e.g. vllm=http://127.0.0.1:8100 (repeatable)")
-    ap.add_argument("--request-rate", nargs="+", type=float, default=[math.inf],
-                    help="Poisson arrival rates (req/s); inf sends everything at t=0")
-    ap.add_argument("--max-concurrency", nargs="+", type=int, default=[None],
-                    help="cap on requests in flight (one run per value)")
-    ap.add_argument("--api", choices=("chat", "completions"), default="chat")
-    ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--output-median", type=float, default=32)
-    ap.add_argument("--output-sigma", type=float, default=1.0)
-    ap.add_argument("--output-min", type=int, default=8)
-    ap.add_argument("--output-max", type=int, default=256)
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                    help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
-    ap.add_argument("--health-interval", type=float, default=0.1,
-                    help="seconds between /health polls during a timed run (0: off)")
-    ap.add_argument("--warmup", choices=("none", "requests", "workload"), default="workload",
-                    help="untimed, per target, before its runs: nothing, --num-warmups "
-                         "requests, or the whole workload at once (default)")
-    ap.add_argument("--num-warmups", type=int, default=2)
-    ap.add_argument("--max-tokens-field", default=None,
-                    help="request field for the output length (default: chat "
-                         "max_completion_tokens, completions max_tokens)")
-    ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
-    ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat each target's runs")
-    ap.add_argument("--out", default="bench_out/serve")
-    add_price_argument(ap)
-    if extra:
-        extra(ap)
-    args = ap.parse_args(argv)
-    args.goodput = parse_goodput(args.goodput)
-    args.extra_body = json.loads(args.extra_body)
-    args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
-    if args.rounds < 1:
-        ap.error("--rounds: at least 1")
-    if need_target and not args.target:
-        ap.error("give at least one --target NAME=BASE_URL")
-    targets = []
-    for t in args.target:
-        name, sep, url = t.partition("=")
-        if not sep or not url:
-            ap.error(f"--target {t!r}: use NAME=BASE_URL")
-        targets.append((name, url))
-    args.targets = targets
-    return args
-
-
 def bench_target(name, base, args, workload, report, between=None):
     """Warm-up, then every (rate, concurrency) run against one server, --rounds times;
     `between()` after each round (the interleaved offline pass)."""
@@ -227,40 +166,82 @@ def _one_round(name, base, args, workload, report, round_):
             report["runs"].append({"target": name, "base_url": base, "round": round_, **out})
 
 
-def main(argv=None, prog="jaxbatch bench serve", extra=None, driver=None) -> dict:
-    """`driver` (benchmarks/serve_launch.py: servers started here, the offline baseline) has
-    `servers(args, out_dir, report)`, yielding (name, base URL) of each server it started and
-    stopping it after; `between(args, workload, out_dir)`, called after every round; and
-    `finish(args, report, workload, out_dir)`, returning its markdown lines."""
-    args = parse_args(argv, prog, extra, need_target=driver is None)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(args.num_prompts, args.lengths, args.seed, args.prompts)
-    # The client's machine (no JAX needed here); the price defaults to it, so a server on
-    # another machine (or a GPU) needs --price-per-hour.
-    report = {"machine": machine_info(with_jax=False),
-              "args": {k: v for k, v in vars(args).items() if k != "targets"},
-              "workload": [dataclasses.asdict(r) for r in workload],
-              "servers": {}, "runs": []}
-    start = time.perf_counter()
-    between = driver and (lambda: driver.between(args, workload, out_dir))
-    servers = [(name, normalize_base(url)) for name, url in args.targets]
-    started = driver.servers(args, out_dir, report) if driver else ()
-    for name, base in itertools.chain(servers, started):
-        bench_target(name, base, args, workload, report, between)
-    notes = driver.finish(args, report, workload, out_dir) if driver else []
-    report["bench_seconds"] = time.perf_counter() - start
-    report["machine"]["loadavg_at_end"] = os.getloadavg()
-    report["price"] = resolve_price(args.price_per_hour, report["machine"])
-    report["plot"] = plot(report, out_dir / "bench_serve.png") if report["runs"] else None
-    md = markdown(report, notes)
-    (out_dir / "bench_serve.md").write_text(md + "\n")
-    write_json(out_dir / "bench_serve.json", report, default=str)
-    print(f"\nwrote {out_dir}/bench_serve.json, bench_serve.md"
-          f"{', ' + report['plot'] if report['plot'] else ''} "
-          f"in {report['bench_seconds']:.0f} s\n")
-    print(md)
-    return report
+class Serve(Benchmark):
+    """The servers given with --target; a subclass (the lab's serve-launch) may start its own
+    (`servers`), run something after every round (`between`) and add lines to the report
+    (`notes`)."""
+    name, model_free, out = "serve", True, "bench_out/serve"
+    need_target = True
+
+    def add_arguments(self, ap) -> None:
+        ap.add_argument("--target", action="append", default=[], metavar="NAME=BASE_URL",
+                        help="a running server, e.g. vllm=http://127.0.0.1:8100 (repeatable)")
+        ap.add_argument("--request-rate", nargs="+", type=float, default=[math.inf],
+                        help="Poisson arrival rates (req/s); inf sends everything at t=0")
+        ap.add_argument("--max-concurrency", nargs="+", type=int, default=[None],
+                        help="cap on requests in flight (one run per value)")
+        ap.add_argument("--api", choices=("chat", "completions"), default="chat")
+        ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
+        add_workload_flags(ap)
+        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+        ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
+        ap.add_argument("--health-interval", type=float, default=0.1,
+                        help="seconds between /health polls during a timed run (0: off)")
+        ap.add_argument("--warmup", choices=("none", "requests", "workload"), default="workload",
+                        help="untimed, per target, before its runs: nothing, --num-warmups "
+                             "requests, or the whole workload at once (default)")
+        ap.add_argument("--num-warmups", type=int, default=2)
+        ap.add_argument("--max-tokens-field", default=None,
+                        help="request field for the output length (default: chat "
+                             "max_completion_tokens, completions max_tokens)")
+        ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+        ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+        ap.add_argument("--rounds", type=int, default=1, help="repeat each target's runs")
+
+    def check(self, args):
+        if args.rounds < 1:
+            return "--rounds: at least 1"
+        if self.need_target and not args.target:
+            return "give at least one --target NAME=BASE_URL"
+        bad = [t for t in args.target if not all(t.partition("=")[1:])]
+        return f"--target {bad[0]!r}: use NAME=BASE_URL" if bad else None
+
+    def servers(self, args, report):
+        """(name, base URL) of each server this benchmark starts itself, stopped after."""
+        return ()
+
+    def between(self, args, workload) -> None:
+        """After every round of every server."""
+
+    def notes(self, args, report, workload) -> list[str]:
+        """Lines the markdown adds under the table."""
+        return []
+
+    def bench(self, _, args) -> dict:
+        args.goodput = parse_goodput(args.goodput)
+        args.extra_body = json.loads(args.extra_body)
+        workload = serve_workload(args, args.prompts)
+        # The client's machine (no JAX needed here); the price defaults to it, so a server on
+        # another machine (or a GPU) needs --price-per-hour.
+        report = {"workload": [dataclasses.asdict(r) for r in workload], "servers": {},
+                  "runs": []}
+        given = [(t.partition("=")[0], normalize_base(t.partition("=")[2])) for t in args.target]
+        for name, base in itertools.chain(given, self.servers(args, report)):
+            bench_target(name, base, args, workload, report,
+                         lambda: self.between(args, workload))
+        report["notes"] = self.notes(args, report, workload)
+        return report
+
+    def plots(self, report, out_dir):
+        name = plot(report, out_dir / "bench_serve.png") if report["runs"] else None
+        return [name] if name else []
+
+    def markdown(self, report) -> str:
+        return markdown(report, report["notes"])
+
+
+main = Serve().main
 
 
 if __name__ == "__main__":

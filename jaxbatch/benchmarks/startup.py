@@ -1,7 +1,7 @@
 """Start-up cost of the embedded model: `LLM()` to first token, cold and from the caches.
 
     jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--no-unified-step]
-                           [--out bench_out]
+                           [--out bench_out]       (writes bench_startup.json and .md)
 
 Each measurement is a fresh Python process (what a user's second start is), in a private cache
 root that holds the converted weights but, depending on the mode, no compiled code:
@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxbatch.benchmarks.base import Benchmark
 from jaxbatch.benchmarks.report import table
 
 # The directory holding the jaxbatch package: the children import this very copy of it.
@@ -66,63 +67,62 @@ def run_child(cache_root: str, kwargs: dict) -> dict:
     raise RuntimeError(f"child failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="jaxbatch bench startup", description=__doc__.splitlines()[0])
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--skip-serial", action="store_true", help="skip the one-thread cold compile")
-    ap.add_argument("--traced", action="store_true",
-                    help="also start from JAX's cache without the stored lowerings")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="cold and warm starts each this many times (timings on a shared "
-                         "machine are noisy; CPU seconds are reported beside wall time)")
-    ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
-                    help="the engine option (off: no mixed decode + prefill executables)")
-    ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args(argv)
-    kwargs = {"max_num_seqs": args.max_num_seqs, "unified_step": args.unified_step}
-    if args.max_model_len:
-        kwargs["max_model_len"] = args.max_model_len
+class Startup(Benchmark):
+    name = "startup"
 
-    from jaxbatch.model.loader import cache_root, load_model
-    load_model(dtype="float32")                      # converted weights in the user cache
-    weights = [p for p in Path(cache_root()).iterdir()
-               if p.is_dir() and p.name not in ("xla", "lowered")]
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in weights:                            # weights only: no compiled code yet
-            shutil.copytree(p, Path(tmp) / p.name)
-        modes = [] if args.skip_serial else [("serial", {"warmup_workers": 1})]
-        for i in range(args.repeats):
-            tag = "" if args.repeats == 1 else f" {i + 1}"
-            modes += [("cold" + tag, {}), ("warm" + tag, {})]
-            modes += [("traced" + tag, {})] if args.traced else []
-        for mode, extra in modes:
-            if mode.startswith(("serial", "cold")):
-                shutil.rmtree(Path(tmp) / "xla", ignore_errors=True)
-            if mode.startswith(("serial", "cold", "traced")):
-                shutil.rmtree(Path(tmp) / "lowered", ignore_errors=True)
-            print(f"[bench_startup] {mode} ...", flush=True)
-            results[mode] = run_child(tmp, {**kwargs, **extra})
-    rows = []
-    for mode, r in results.items():
-        w = r["warmup"]
-        # Per executable: CPU seconds of the warm-up (lowering, compiling and the first runs
-        # of `warmup_runs`, every thread).
-        per = r["warmup_cpu_s"] / max(1, w["compiled"])
-        rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
-                     f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
-                     w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
-                     f"{w['run_s']:.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
-    md = table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
-                "executables", "from store", "lower s", "compile s", "first runs s",
-                "CPU s per executable", "load average"], rows)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "startup.json").write_text(json.dumps(
-        {"settings": kwargs, "cpu_count": os.cpu_count(), "results": results}, indent=1))
-    print(md)
-    return results
+    def add_arguments(self, ap) -> None:
+        ap.add_argument("--max-num-seqs", type=int, default=16)
+        ap.add_argument("--max-model-len", type=int, default=None)
+        ap.add_argument("--skip-serial", action="store_true",
+                        help="skip the one-thread cold compile")
+        ap.add_argument("--traced", action="store_true",
+                        help="also start from JAX's cache without the stored lowerings")
+        ap.add_argument("--repeats", type=int, default=1,
+                        help="cold and warm starts each this many times (timings on a shared "
+                             "machine are noisy; CPU seconds are reported beside wall time)")
+        ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine option (off: no mixed decode + prefill executables)")
+
+    def bench(self, loaded, args) -> dict:
+        """`loaded` converted the weights into the user cache; each start copies them."""
+        from jaxbatch.model.loader import cache_root
+        kwargs = {"max_num_seqs": args.max_num_seqs, "unified_step": args.unified_step}
+        if args.max_model_len:
+            kwargs["max_model_len"] = args.max_model_len
+        weights = [p for p in Path(cache_root()).iterdir()
+                   if p.is_dir() and p.name not in ("xla", "lowered")]
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in weights:                            # weights only: no compiled code yet
+                shutil.copytree(p, Path(tmp) / p.name)
+            modes = [] if args.skip_serial else [("serial", {"warmup_workers": 1})]
+            for i in range(args.repeats):
+                tag = "" if args.repeats == 1 else f" {i + 1}"
+                modes += [("cold" + tag, {}), ("warm" + tag, {})]
+                modes += [("traced" + tag, {})] if args.traced else []
+            for mode, extra in modes:
+                if mode.startswith(("serial", "cold")):
+                    shutil.rmtree(Path(tmp) / "xla", ignore_errors=True)
+                if mode.startswith(("serial", "cold", "traced")):
+                    shutil.rmtree(Path(tmp) / "lowered", ignore_errors=True)
+                print(f"[bench_startup] {mode} ...", flush=True)
+                results[mode] = run_child(tmp, {**kwargs, **extra})
+        return {"settings": kwargs, "results": results}
+
+    def markdown(self, report) -> str:
+        rows = []
+        for mode, r in report["results"].items():
+            w = r["warmup"]
+            # Per executable: CPU seconds of the warm-up (lowering, compiling and the first
+            # runs of `warmup_runs`, every thread).
+            per = r["warmup_cpu_s"] / max(1, w["compiled"])
+            rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
+                         f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
+                         w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
+                         f"{w['run_s']:.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
+        return table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
+                      "executables", "from store", "lower s", "compile s", "first runs s",
+                      "CPU s per executable", "load average"], rows)
 
 
-if __name__ == "__main__":
-    main()
+main = Startup().main

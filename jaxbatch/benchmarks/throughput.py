@@ -15,8 +15,6 @@ Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths ar
   online   Poisson arrivals at --request-rate: short requests (short/medium prompts) with long
            prompts among them; p99 TTFT of the short ones with chunked prefill vs chunking
            disabled (jaxbatch continuous only). The default of `latency`.
-  prefix   prefix caching on vs off: a shared system prompt, multi-turn conversations and
-           distinct prompts (`jaxbatch bench prefix`; not in the default set).
 Every timed jaxbatch run starts from an empty prefix cache.
 
 Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
@@ -27,20 +25,14 @@ Output: JSON with every figure, PNG plots and a markdown summary printed last (s
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import time
-from pathlib import Path
 from typing import Callable
 
-from jaxbatch.benchmarks import prefix as prefix_bench
 from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
                                          pow2_model_len, run_jaxbatch, step_stats, summarize,
-                                         to_json, warm_jaxbatch, warmed_engine)
-from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
-from jaxbatch.benchmarks.report import (cost_cell, fmt, price_line, stats_ms, table, trio,
-                                        write_json)
+                                         warm_jaxbatch, warmed_engine)
+from jaxbatch.benchmarks.base import Benchmark, add_flags
+from jaxbatch.benchmarks.report import cost_cell, fmt, stats_ms, table, trio
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SHORT_KINDS, encode_prompts,
                                            load_prompts, offline_requests, online_requests)
 
@@ -174,139 +166,95 @@ def targets_table(rows) -> str:
                  [[r["target"], r["measured"], r["goal"], r["status"]] for r in rows])
 
 
-# ---- main ----------------------------------------------------------------------------------------
+# ---- the benchmark -------------------------------------------------------------------------------
 
-def parse_args(argv=None, workloads=("offline", "online"), prog=None, peers=None, extra=None):
-    """`peers` (Peers) adds engines to --engines; `extra(ap)` adds a driver's own flags."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    names = ENGINES + tuple(peers.goals if peers else ())
-    ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
-    ap.add_argument("--workloads", nargs="+", choices=("offline", "online", "prefix"),
-                    default=list(workloads))
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="slots (a peer's batch size); default 16")
-    ap.add_argument("--num-requests", type=int, default=None,
-                    help="offline requests; default 32")
-    ap.add_argument("--output-median", type=float, default=24)
-    ap.add_argument("--output-sigma", type=float, default=1.0)
-    ap.add_argument("--output-min", type=int, default=4)
-    ap.add_argument("--output-max", type=int, default=192)
-    ap.add_argument("--request-rate", type=float, default=1.0, help="online arrivals per second")
-    ap.add_argument("--online-short", type=int, default=20, help="online short requests")
-    ap.add_argument("--online-long", type=int, default=3, help="online long prompts among them")
-    ap.add_argument("--online-output-median", type=float, default=12)
-    ap.add_argument("--online-output-max", type=int, default=48)
-    ap.add_argument("--online-chunk", type=int, default=64, help="chunked variant's chunk size")
-    ap.add_argument("--online-budget-chunks", type=int, default=4,
-                    help="chunked variant's budget: max_num_seqs + this many chunks")
-    ap.add_argument("--max-prompt-len", type=int, default=None,
-                    help="truncate prompts to their last N tokens")
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
-                    help="jaxbatch warm-up: every bucket (default) or an untimed run of "
-                         "the same offline workload")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--xla-cache", default=None,
-                    help="persistent XLA compilation cache dir ('' disables; default "
-                         "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
-    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
-                    help="jaxbatch engines: int8 KV cache (scales per token and KV head)")
-    ap.add_argument("--quantization", choices=("int8",), default=None,
-                    help="jaxbatch engines: int8 weight-only layer matrices")
-    ap.add_argument("--out", default="bench_out")
-    add_price_argument(ap)
-    prefix_bench.add_arguments(ap)
-    if extra:
-        extra(ap)
-    args = ap.parse_args(argv)
-    args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
-    args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
-                           args.online_output_max)
-    args.warmup = args.warmup or "buckets"
-    args.engine_kwargs = dict(kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
-    args.max_num_seqs = args.max_num_seqs or 16
-    args.num_requests = args.num_requests or 32
-    return args
+class Throughput(Benchmark):
+    name, report_name = "throughput", "bench"
+    workloads = ("offline", "online")       # --workloads' default
+    peers: Peers | None = None              # other engines on the same requests
 
+    def add_arguments(self, ap) -> None:
+        names = ENGINES + tuple(self.peers.goals if self.peers else ())
+        ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
+        ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
+                        default=list(self.workloads))
+        ap.add_argument("--max-num-seqs", type=int, default=None,
+                        help="slots (a peer's batch size); default 16")
+        ap.add_argument("--num-requests", type=int, default=None, help="offline requests; default 32")
+        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+        add_flags(ap, output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0)
+        ap.add_argument("--request-rate", type=float, default=1.0, help="online arrivals per second")
+        ap.add_argument("--online-short", type=int, default=20, help="online short requests")
+        ap.add_argument("--online-long", type=int, default=3, help="online long prompts among them")
+        add_flags(ap, online_output_median=12.0, online_output_max=48)
+        ap.add_argument("--online-chunk", type=int, default=64, help="chunked variant's chunk size")
+        ap.add_argument("--online-budget-chunks", type=int, default=4,
+                        help="chunked variant's budget: max_num_seqs + this many chunks")
+        ap.add_argument("--max-prompt-len", type=int, default=None,
+                        help="truncate prompts to their last N tokens")
+        ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
+                        help="jaxbatch warm-up: every bucket (default) or an untimed run of "
+                             "the same offline workload")
+        ap.add_argument("--xla-cache", default=None,
+                        help="persistent XLA compilation cache dir ('' disables; default "
+                             "<jaxbatch cache>/xla): reruns skip the compile time of warm-up")
+        ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="jaxbatch engines: int8 KV cache (scales per token and KV head)")
+        ap.add_argument("--quantization", choices=("int8",), default=None,
+                        help="jaxbatch engines: int8 weight-only layer matrices")
 
-def run_cpu(args, report, peers=None):
-    from jaxbatch.model.loader import load_model
-    entries = load_prompts(args.prompts)
-    kinds = [e["kind"] for e in entries]
-    loaded = load_model(dtype="float32")
-    prompts = encode_prompts(entries, loaded.tokenizer)
-    if "offline" in args.workloads:
-        requests = offline_requests(prompts, kinds, args.num_requests, args.lengths, args.seed,
-                                    args.max_prompt_len)
-        chosen = set(args.engines) - set(ENGINES)
-        peer_runs = peers.setup(args, requests) if peers and chosen else {}
-        report["offline"] = bench_offline(args, loaded, requests, peer_runs)
-    if "online" in args.workloads:
-        requests = online_requests(prompts, kinds, args.online_short, args.online_long,
-                                   args.request_rate, args.online_lengths, args.seed,
-                                   args.max_prompt_len)
-        report["online"] = bench_online(args, loaded, requests)
-    if "prefix" in args.workloads:
-        args.slots, args.max_model_len = args.max_num_seqs, 2048
-        report["prefix"] = prefix_bench.bench_prefix(loaded, args)
+    def resolve(self, args):
+        """The settings the flags imply (a subclass fills the defaults left None its own way)."""
+        args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
+        args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
+                               args.online_output_max)
+        args.engine_kwargs = dict(kv_cache_dtype=args.kv_cache_dtype,
+                                  quantization=args.quantization)
+        args.warmup = args.warmup or "buckets"
+        args.max_num_seqs = args.max_num_seqs or 16
+        args.num_requests = args.num_requests or 32
+        return args
 
+    def bench(self, loaded, args) -> dict:
+        args = self.resolve(args)
+        report = {"xla_cache": enable_xla_cache(args.xla_cache)}
+        entries = load_prompts(args.prompts)
+        kinds = [e["kind"] for e in entries]
+        prompts = encode_prompts(entries, loaded.tokenizer)
+        if "offline" in args.workloads:
+            requests = offline_requests(prompts, kinds, args.num_requests, args.lengths,
+                                        args.seed, args.max_prompt_len)
+            chosen = set(args.engines) - set(ENGINES)
+            peer_runs = self.peers.setup(args, requests) if self.peers and chosen else {}
+            report["offline"] = bench_offline(args, loaded, requests, peer_runs)
+        if "online" in args.workloads:
+            requests = online_requests(prompts, kinds, args.online_short, args.online_long,
+                                       args.request_rate, args.online_lengths, args.seed,
+                                       args.max_prompt_len)
+            report["online"] = bench_online(args, loaded, requests)
+        report["targets"] = targets(report, self.peers.goals if self.peers else None)
+        return report
 
-def start_report(args) -> dict:
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    return {"machine": machine_info(), "xla_cache": enable_xla_cache(args.xla_cache),
-            "args": {k: v for k, v in vars(args).items() if k != "engine_kwargs"},
-            "start": time.perf_counter()}
-
-
-def finish(args, report, markdown_fn, plots=True) -> dict:
-    """Price, plots and bench.json, then the markdown printed last."""
-    out_dir = Path(args.out)
-    report["bench_seconds"] = time.perf_counter() - report.pop("start")
-    report["machine"]["loadavg_at_end"] = os.getloadavg()   # other jobs share this machine
-    report["price"] = resolve_price(args.price_per_hour, report["machine"])
-    report["plots"] = []
-    if plots:
+    def plots(self, report, out_dir):
         from jaxbatch.benchmarks.throughput_plots import plot_all
-        report["plots"] = plot_all(report, out_dir)
-    write_json(out_dir / "bench.json", report, to_json)
-    print(f"\nwrote {out_dir / 'bench.json'} and {', '.join(report['plots']) or 'no plots'} "
-          f"in {report['bench_seconds']:.0f} s\n")
-    print(markdown_fn(report))
-    return report
+        return plot_all(report, out_dir)
+
+    def markdown(self, report) -> str:
+        parts, price = [], report["price"]
+        if "offline" in report:
+            ideal = report["offline"]["ideal"]
+            parts.append(f"Offline: {report['args']['num_requests']} requests, "
+                         f"{report['args']['max_num_seqs']} slots; ideal continuous/static ratio "
+                         f"{ideal['ideal_ratio']:.2f} ({ideal['static_steps']} vs "
+                         f"{ideal['continuous_steps']} decode steps)\n")
+            parts.append(engine_table(report["offline"]["summaries"], price))
+        if "online" in report:
+            parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
+            parts.append(online_table(report["online"], price))
+        if report.get("targets"):
+            parts.append("\nTargets\n")
+            parts.append(targets_table(report["targets"]))
+        return "\n".join(parts)
 
 
-def main(argv=None, workloads=("offline", "online"), prog="jaxbatch bench throughput",
-         peers: Peers | None = None, extra=None) -> dict:
-    args = parse_args(argv, workloads, prog, peers, extra)
-    report = start_report(args)
-    run_cpu(args, report, peers)
-    report["targets"] = targets(report, peers.goals if peers else None)
-    return finish(args, report, markdown)
-
-
-def markdown(report) -> str:
-    parts, price = [], report["price"]
-    if "offline" in report:
-        ideal = report["offline"]["ideal"]
-        parts.append(f"Offline: {report['args']['num_requests']} requests, "
-                     f"{report['args']['max_num_seqs']} slots; ideal continuous/static ratio "
-                     f"{ideal['ideal_ratio']:.2f} ({ideal['static_steps']} vs "
-                     f"{ideal['continuous_steps']} decode steps)\n")
-        parts.append(engine_table(report["offline"]["summaries"], price))
-    if "online" in report:
-        parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
-        parts.append(online_table(report["online"], price))
-    if "prefix" in report:
-        parts.append("\nPrefix caching\n")
-        parts.append(prefix_bench.markdown(report["prefix"], price))
-    if report.get("targets"):
-        parts.append("\nTargets\n")
-        parts.append(targets_table(report["targets"]))
-    parts.append("\n" + price_line(price))
-    return "\n".join(parts)
-
-
-if __name__ == "__main__":
-    main()
+main = Throughput().main

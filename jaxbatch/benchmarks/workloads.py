@@ -6,7 +6,6 @@ imports JAX (vllm_offline.py imports it from vLLM's own venv) -- only numpy.
 The bundled files are package data (`jaxbatch/benchmarks/data/`, listed in pyproject.toml):
   bench_prompts.json   short / medium / long prompts, each {"id", "kind", "text"}
   system_prompt.txt    a ~850-token system prompt (prefix caching, speculative decoding)
-  accuracy_text.txt    ~4k tokens of original English prose (accuracy.py)
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import numpy as np
 DATA = Path(__file__).resolve().with_name("data")
 DEFAULT_PROMPTS = DATA / "bench_prompts.json"
 SYSTEM_PROMPT = DATA / "system_prompt.txt"
-ACCURACY_TEXT = DATA / "accuracy_text.txt"
 SHORT_KINDS = ("short", "medium")
 # Token-id prompts (no tokenizer) get ~ len(text) / 4 tokens plus what a chat template adds.
 CHARS_PER_TOKEN, CHAT_TEMPLATE_TOKENS = 4, 30
@@ -107,6 +105,22 @@ def online_requests(prompt_ids, kinds, n_short, n_long, rate, lengths, seed,
     outs = lognormal_lengths(rng, len(picks), *lengths)
     return [Request(f"on-{i}", _truncate(prompt_ids[p], max_prompt_len), outs[i],
                     float(arrivals[i]), kinds[p]) for i, p in enumerate(picks)]
+
+
+def add_workload_flags(ap) -> None:
+    """The mixed chat workload's flags (`serve_workload` reads them): --num-prompts,
+    --output-median / -sigma / -min / -max, --seed."""
+    ap.add_argument("--num-prompts", type=int, default=48)
+    for name, default in (("median", 32.0), ("sigma", 1.0), ("min", 8), ("max", 256)):
+        ap.add_argument(f"--output-{name}", type=type(default), default=default)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def serve_workload(args, prompts_path=DEFAULT_PROMPTS) -> list[ServeRequest]:
+    """`make_workload` as `add_workload_flags`' flags say."""
+    return make_workload(args.num_prompts, (args.output_median, args.output_sigma,
+                                            args.output_min, args.output_max), args.seed,
+                         prompts_path)
 
 
 def make_workload(num_prompts: int, lengths=(32, 1.0, 8, 256), seed: int = 0,

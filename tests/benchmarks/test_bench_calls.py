@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpu_kernels import call_log, paged_decode
+from benchmarks import call_log
+from cpu_kernels import paged_decode
 from benchmarks import calls
 
 ROOT = Path(__file__).resolve().parents[2]

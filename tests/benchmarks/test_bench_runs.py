@@ -24,16 +24,17 @@ def test_quant_runs_capacity_and_both_caches(tmp_path, capsys):
                      "--price-per-hour", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_quant.json").read_text())
     assert report["capacity"]["int8"]["blocks"] > report["capacity"]["float32"]["blocks"]
-    assert set(report["runs"]) == {"f32_kv", "int8_kv"}
+    assert set(report["runs"]) == {"f32_kv", "int8_kv", "ratio"}
+    assert report["runs"]["ratio"]["f32_kv"]["output_tokens_per_s"] == 1.0
     assert "$ / M out tok" in capsys.readouterr().out
 
 
 def test_structured_runs_free_and_constrained(tmp_path):
-    rows_path = tmp_path / "rows.json"
     assert cli.main(["bench", "structured", "--fractions", "0", "1", "--num-requests", "4",
                      "--max-num-seqs", "4", "--output-max", "8", "--max-prompt-len", "64",
-                     "--out", str(rows_path)]) == 0
-    rows = json.loads(rows_path.read_text())
+                     "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "bench_structured.json").read_text())["runs"]
+    rows = [runs["0 %"], runs["100 %"]]
     assert [r["json_fraction"] for r in rows] == [0.0, 1.0]
     assert rows[1]["mask_fills"] > 0 and all(r["compilations_after_warmup"] == 0 for r in rows)
 
@@ -49,6 +50,6 @@ def test_spec_runs_on_and_off(tmp_path):
 def test_startup_runs_cold_and_warm(tmp_path):
     assert cli.main(["bench", "startup", "--skip-serial", "--max-num-seqs", "2",
                      "--max-model-len", "128", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "startup.json").read_text())["results"]
+    results = json.loads((tmp_path / "bench_startup.json").read_text())["results"]
     assert set(results) == {"cold", "warm"}
     assert all(r["llm_to_first_token_s"] > 0 for r in results.values())

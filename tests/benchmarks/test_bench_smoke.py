@@ -75,9 +75,10 @@ def tiny():
 
 
 def test_offline_and_online_on_tiny_model(tiny):
-    args = bench.parse_args(["--engines", "continuous", "static", "--max-num-seqs", "4",
-                             "--request-rate", "50", "--online-chunk", "16",
-                             "--warmup", "workload"])
+    throughput = bench.Throughput()
+    args = throughput.resolve(throughput.parser().parse_args([
+        "--engines", "continuous", "static", "--max-num-seqs", "4", "--request-rate", "50",
+        "--online-chunk", "16", "--warmup", "workload"]))
     entries = bench.load_prompts()
     kinds = [e["kind"] for e in entries]
     prompts = bench.synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0)
@@ -156,7 +157,7 @@ def test_bench_gpu_dry_run(tmp_path):
         assert s["mbu_median"] > 0 and s["decode_steps"] > 0
     # Every throughput table states the cost per million output tokens at the given price.
     assert report["price"] == {"usd_per_hour": 3.6, "source": "--price-per-hour"}
-    md = throughput_gpu.markdown(report)
+    md = (tmp_path / "bench.md").read_text()
     cost = 3.6 / (tiny["summaries"]["continuous"]["output_tokens_per_s"] * 3600) * 1e6
     assert "$ / M out tok" in md and f"${cost:.3f}" in md and "$3.6000 per hour" in md
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -190,22 +191,23 @@ def test_families_bench_runs_each_family_on_one_workload(tmp_path, capsys):
 
 def test_lora_bench_times_each_case_without_compiling(tmp_path):
     from jaxbatch.benchmarks import lora
-    assert lora.main(["--model", "tiny", "--rows", "4", "--rounds", "1", "--tokens", "10",
-                      "--max-loras", "2", "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "lora.json").read_text())
+    lora.main(["--model", "tiny", "--rows", "4", "--rounds", "1", "--tokens", "10",
+               "--max-loras", "2", "--price-per-hour", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench_lora.json").read_text())
     assert report["compilations_after_warmup"] == [0, 0]
-    assert sorted(report["results"]) == sorted(
-        f"{name} @ 4" for name in ("no LoRA engine", "LoRA engine, 0 adapters",
-                                   "LoRA engine, 1 adapter", "LoRA engine, 2 adapters"))
-    assert all(v[0] > 0 for v in report["results"].values())
+    cases = ("no LoRA engine", "LoRA engine, 0 adapters", "LoRA engine, 1 adapter",
+             "LoRA engine, 2 adapters")
+    (result,) = report["results"].values()
+    assert sorted(result) == sorted(cases + ("ratio",))
+    assert all(result[case]["decode_step_ms"] > 0 for case in cases)
+    assert result["ratio"]["no LoRA engine"]["decode_step_ms"] == 1.0
 
 
 def test_roofline_bench_reports_steps_against_measured_floors(tmp_path):
     from jaxbatch.benchmarks import roofline
-    assert roofline.main(["--random-model", "tiny", "--rows", "4", "--steps", "4",
-                          "--context", "64", "--prefill-tokens", "32",
-                          "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "roofline.json").read_text())
+    roofline.main(["--random-model", "tiny", "--rows", "4", "--steps", "4", "--context", "64",
+                   "--prefill-tokens", "32", "--price-per-hour", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench_roofline.json").read_text())
     assert report["copy_bandwidth_bytes_s"] > 1e8 and report["gemm_peak_flop_s"] > 1e8
     (dec,) = report["decode"]
     assert dec["rows"] == 4 and dec["kv_mb"] > 0 and dec["step_over_floor"] > 0
@@ -253,9 +255,9 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
     monkeypatch.setattr(roofline, "prefill_chunk", lambda *a: {
         "tokens": 32, "step_ms": 1.0, "gflop": 1.0, "floor_ms": 1.0, "step_over_floor": 1.0})
     for dtype in ("float32", "bfloat16"):
-        assert roofline.main(["--random-model", "tiny", "--dtype", dtype, "--rows", "4",
-                              "--out", str(tmp_path)]) == 0
-        report = json.loads((tmp_path / "roofline.json").read_text())
+        roofline.main(["--random-model", "tiny", "--dtype", dtype, "--rows", "4",
+                       "--price-per-hour", "1", "--out", str(tmp_path)])
+        report = json.loads((tmp_path / "bench_roofline.json").read_text())
         assert seen[-1] == report["gemm_dtype"] == dtype
 
 

@@ -3,7 +3,7 @@ spins briefly, then yields, then sleeps on a futex that the thread finishing the
 wakes, so a helper held up for long costs the waiting core nothing; and no call schedules more
 helpers than the pool has threads besides the caller. Compiled here as a small C++ program
 against the header (the kernels' own scheduling is checked through the call log in
-tests/cpu_kernels/instrumented_call_log.py). Skipped without a C++ compiler."""
+tests/benchmarks/instrumented_call_log.py). Skipped without a C++ compiler."""
 from __future__ import annotations
 
 import os

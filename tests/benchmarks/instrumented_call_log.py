@@ -1,8 +1,8 @@
-"""The kernels' call log (`cpu_kernels/call_log.h`, `call_log.py`) in an instrumented process:
+"""The kernels' call log (`cpu_kernels/call_log.h`, `benchmarks/call_log.py`) in an instrumented process:
 while it records, every kernel call leaves one record of its kernel, its sizes and when it ran,
 in call order; when stopped, nothing more. Results never depend on it.
 
-Not collected by itself (no test_ prefix): tests/worker/test_cpu_call_log.py runs it in a
+Not collected by itself (no test_ prefix): test_call_log.py runs it in a
 fresh process, as `call_log.instrument()` must come before any kernel registers."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels import call_log
+from benchmarks import call_log
 
 call_log.instrument()           # before any kernel registers
 

@@ -1,16 +1,16 @@
-"""The memory of the kernels' call log (`call_log.h`): each call of a CPU kernel, timed on the
-thread that runs it, for `python -m benchmarks calls`. The log is compiled only into an instrumented build:
-a process that wants it calls `instrument()` before any kernel registers, and its libraries
-are then built with -DJAXBATCH_CALL_LOG (a library of their own in the cache); production
-builds carry no log code. One log per process, owned here and handed to every kernel library
-as it loads (`wire`) while recording is on; off (the default) the libraries hold no log and
-record nothing.
+"""The memory of the CPU kernels' call log (`cpu_kernels/call_log.h`): each call of a kernel,
+timed on the thread that runs it, for `python -m benchmarks calls`. The log is compiled only
+into an instrumented build: a process that wants it calls `instrument()` before any kernel
+registers, which asks `cpu_kernels.availability.instrument` for libraries built with
+-DJAXBATCH_CALL_LOG (a library of their own in the cache) and wired to this log as they load;
+production builds carry no log code. One log per process, owned here and handed to every
+kernel library as it loads (`wire`) while recording is on; off (the default) the libraries
+hold no log and record nothing.
 
     instrument()  this process's kernels are built with the call log; raises RuntimeError
                   once a kernel has registered (its library is built without it)
     instrumented() whether instrument() was called
     wire(lib)     hands the log to a loaded kernel library if recording is on
-                  (availability.register)
     start()       empties the log and starts recording in every library wired so far;
                   RuntimeError in a process not instrumented
     stop()        stops recording; returns the records since `start` (`records`)
@@ -27,6 +27,7 @@ import ctypes
 
 import numpy as np
 
+from cpu_kernels import availability
 from cpu_kernels.handout import Handout
 
 CAPACITY = 1 << 17          # call_log.h, kMaxRecords
@@ -47,15 +48,15 @@ _LOG: _Log | None = None     # allocated on first start, never freed: a late cal
 _HANDOUT = Handout("JaxbatchSetCallLog", "JaxbatchCallLogCapacity", CAPACITY)
 wire = _HANDOUT.wire
 _INSTRUMENTED = False
-_SEALED = False              # a kernel has registered: the build flags are chosen
 
 
 def instrument() -> None:
     global _INSTRUMENTED
-    if _SEALED and not _INSTRUMENTED:
-        raise RuntimeError("call_log.instrument(): a kernel has registered in this process "
-                           "already, built without the call log; call it first (before any "
-                           "engine or kernel), or in a process of its own")
+    if not _INSTRUMENTED:
+        try:
+            availability.instrument(("-DJAXBATCH_CALL_LOG",), wire)
+        except RuntimeError as e:
+            raise RuntimeError(f"call_log.instrument(): {e}") from None
     _INSTRUMENTED = True
 
 
@@ -63,17 +64,11 @@ def instrumented() -> bool:
     return _INSTRUMENTED
 
 
-def seal() -> None:
-    """The build's flags are chosen (availability.register, before the first build)."""
-    global _SEALED
-    _SEALED = True
-
-
 def start() -> None:
     global _LOG
     if not _INSTRUMENTED:
         raise RuntimeError("call_log.start(): the kernels are built without the call log; "
-                           "call cpu_kernels.call_log.instrument() before any kernel registers "
+                           "call benchmarks.call_log.instrument() before any kernel registers "
                            "(first thing in the process, as `python -m benchmarks calls` does)")
     _HANDOUT.hand(None)
     if _LOG is None:

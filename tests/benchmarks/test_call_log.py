@@ -1,9 +1,10 @@
-"""The kernels' call log (`cpu_kernels/call_log.h`, `call_log.py`) is compiled in only for an
-instrumented build: `call_log.instrument()`, called before any kernel registers, builds the
-libraries with -DJAXBATCH_CALL_LOG (a library of their own in the cache). Production
-libraries carry no log (no setter to hand one to), `start()` says so, and `instrument()`
-refuses once a production library is loaded. The log's own behaviour is tested in a fresh,
-instrumented process (tests/cpu_kernels/instrumented_call_log.py)."""
+"""The kernels' call log (`cpu_kernels/call_log.h`, the lab's `benchmarks/call_log.py`) is
+compiled in only for an instrumented build: `call_log.instrument()`, called before any kernel
+registers, asks `cpu_kernels.availability.instrument` for libraries built with
+-DJAXBATCH_CALL_LOG (a library of their own in the cache). Production libraries carry no log
+(no setter to hand one to), `start()` says so, and `instrument()` refuses once a production
+library is loaded. The log's own behaviour is tested in a fresh, instrumented process
+(instrumented_call_log.py beside this file)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ import sys
 
 import pytest
 
-from cpu_kernels import add_rms_norm, availability, build, call_log, first_argmax, packed_gemm
+from benchmarks import call_log
+from cpu_kernels import add_rms_norm, availability, build, first_argmax, packed_gemm
 
 REASON = (packed_gemm.unavailable_reason() or add_rms_norm.unavailable_reason()
           or first_argmax.unavailable_reason())
@@ -47,7 +49,7 @@ def test_the_call_log_in_an_instrumented_process():
         [os.path.dirname(os.path.dirname(cpu_kernels.__file__)), *[p for p in sys.path if p]]))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT,
-         os.path.join(ROOT, "tests", "cpu_kernels", "instrumented_call_log.py")],
+         os.path.join(ROOT, "tests", "benchmarks", "instrumented_call_log.py")],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
