@@ -26,6 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KERNEL_MODES = ("auto", "off", "required")
 WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
 NON_NEGATIVE = ("seed", "process_id")
+REASONING_PARSERS = (None, "qwen3", "deepseek_r1")     # jaxbatch/reasoning/parser.py
 
 
 def option(default, help: str, choices: tuple | None = None, positional: bool = False):
@@ -68,6 +69,9 @@ class ModelOptions:
     quantization: str | None = option(
         None, "int8: weight-only int8 layer matrices, one scale per output channel",
         QUANTIZATIONS)
+    reasoning_parser: str | None = option(
+        None, "a reasoning model's thought (between its think tags) goes to the output's "
+        "reasoning, not its text, and a grammar starts after it", REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)

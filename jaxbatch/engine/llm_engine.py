@@ -37,6 +37,7 @@ from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
+from jaxbatch.reasoning.parser import get_reasoning_parser
 from jaxbatch.structured.manager import StructuredOutputManager
 from jaxbatch.worker import compile_cache, weight_forms
 from jaxbatch.worker.runner import ModelRunner
@@ -88,9 +89,11 @@ class LLMEngine(EngineBase):
         self.runner = runner
         # LoRA adapters (jaxbatch/lora/): the manager, or None without enable_lora.
         self.lora = setup.lora_manager(config, runner, self.scheduler)
-        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
+        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/);
+        # a reasoning model's thought (jaxbatch/reasoning/) is split from the text and free.
+        self.reasoning = get_reasoning_parser(config.model.reasoning_parser, self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  eos)
+                                                  eos, reasoning=self.reasoning)
         verify_keys_added = False
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -99,7 +102,7 @@ class LLMEngine(EngineBase):
                 self.config.max_num_seqs,
                 speculative.max_batch_size * (1 + speculative.num_speculative_tokens)))
         self._rng = random.Random(config.runtime.seed)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.reasoning)
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
         self._pending_outputs: list[RequestOutput] = []
