@@ -1,7 +1,7 @@
 """Reasoning over HTTP (issue 57, part 3), through the official `openai` client: one
 `jaxbatch serve --reasoning-parser qwen3` subprocess on a tiny random Qwen3 that thinks
 (thinking_model.py: its template opens the thought, the model writes </think> itself after
-THOUGHT_TOKENS tokens), compared with the same checkpoint offline. Each case streamed and not:
+THOUGHT_TOKENS tokens). Each case streamed and not, the stream equal to the plain answer:
 the thought in `reasoning`, a thought cut by max_tokens, thinking off, a JSON schema and a
 required tool call applied after the thought; assistant reasoning given back as input; the
 Responses API's reasoning items. (The same checkpoint offline: tests/reasoning.)"""
