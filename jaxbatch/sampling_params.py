@@ -69,6 +69,9 @@ class SamplingParams:
     speculate: bool = True
     # A grammar the output must follow (jaxbatch/structured/).
     structured_outputs: StructuredOutputsParams | None = None
+    # With the engine's reasoning parser: the thought goes to CompletionOutput.reasoning and
+    # `text` is the answer; False keeps the raw text (as /v1/completions returns it).
+    split_reasoning: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -120,8 +123,9 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not self.cache_salt):
             fail("cache_salt", "must be None or a non-empty string")
-        if not isinstance(self.speculate, bool):
-            fail("speculate", "must be a bool")
+        for field in ("speculate", "split_reasoning"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "must be a bool")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
         if self.structured_outputs is not None:

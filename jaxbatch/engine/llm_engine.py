@@ -68,6 +68,7 @@ class LLMEngine(EngineBase):
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.reasoning = get_reasoning_parser(config.model.reasoning_parser, self.tokenizer)
         self.load_seconds = loaded.load_seconds
         param_dtype = loaded.params["embed"].dtype     # layer matrices may be int8
         self.kv_cache_dtype = config.cache.kv_cache_dtype
@@ -91,7 +92,6 @@ class LLMEngine(EngineBase):
         self.lora = setup.lora_manager(config, runner, self.scheduler)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/);
         # a reasoning model's thought (jaxbatch/reasoning/) is split from the text and free.
-        self.reasoning = get_reasoning_parser(config.model.reasoning_parser, self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   eos, reasoning=self.reasoning)
         verify_keys_added = False

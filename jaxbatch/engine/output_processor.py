@@ -79,7 +79,7 @@ class RequestState:
     def _split(self, seq: Sequence) -> tuple[str | None, str]:
         """(reasoning, text): the thought apart, with a reasoning parser."""
         text = self._text(seq)
-        if self.reasoning is None:
+        if self.reasoning is None or not seq.params.split_reasoning:
             return None, text
         return self.reasoning.split(text, seq.is_finished)
 

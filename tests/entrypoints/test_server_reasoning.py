@@ -185,3 +185,11 @@ def test_reasoning_items_given_back_as_input(client, server):
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
 
+
+def test_completions_keep_the_raw_text(client, server, thought):
+    """/v1/completions returns the text as generated, its thought and tags included."""
+    ids = httpx.post(server.base + "/tokenize", json={"messages": PROMPT},
+                     timeout=60).json()["tokens"]
+    r = client.completions.create(model=NAME, prompt=ids, temperature=0, max_tokens=12)
+    text = r.choices[0].text
+    assert text.startswith(thought[0] + "</think>") and text.endswith(thought[1])

@@ -46,6 +46,8 @@ def test_the_thought_leaves_the_text(llm):
     assert out.reasoning == tok.decode(out.token_ids[:THOUGHT_TOKENS])
     assert out.text == tok.decode(out.token_ids[THOUGHT_TOKENS + 1:]).lstrip()
     assert "<think>" not in out.reasoning and "</think>" not in out.reasoning
+    raw = chat(llm, SamplingParams(temperature=0, max_tokens=16, split_reasoning=False))
+    assert raw.reasoning is None and raw.text == tok.decode(out.token_ids)
 
 
 def test_a_thought_cut_by_max_tokens_stays_reasoning(llm):
@@ -113,3 +115,8 @@ def test_speculation_gives_the_same_thought_and_answer(checkpoint, llm):
                                                             want.token_ids)
     stats = spec.llm_engine.stats()
     assert stats["spec_num_draft_tokens"] > 0 and stats["structured_num_rejected_tokens"] == 0
+
+
+def test_a_model_without_thought_tags_is_refused(embedded):
+    with pytest.raises(ValueError, match="no token <think> or </think>"):
+        LLM(loaded=embedded, reasoning_parser="qwen3", **KW)

@@ -305,6 +305,7 @@ class OpenAIServing:
         lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         params = _checked_params(req, req.max_tokens, req.logprobs)
+        params.split_reasoning = False   # completions are raw text, a thought included
         count = self.pre.check_completion(req)
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n", lora)
         handed_off = False
