@@ -148,10 +148,11 @@ class BlockManager:
         self._tables[seq_id] = list(hit_blocks)
 
     def register_cached(self, seq_id: int, index: int, key: bytes, parent: bytes,
-                        token_ids: Sequence[int]) -> None:
+                        token_ids: Sequence[int], origin=None) -> None:
         """Block `index` of the sequence now holds exactly the KV a cold run computes for this
-        prefix (`parent`: the previous block's key, or the root): later prompts may share it."""
-        self.prefix_index.register(self._tables[seq_id][index], key, parent, token_ids)
+        prefix (`parent`: the previous block's key, or the root): later prompts may share it.
+        `origin` goes to the prefix index's observer."""
+        self.prefix_index.register(self._tables[seq_id][index], key, parent, token_ids, origin)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix; parked blocks become plain free blocks."""

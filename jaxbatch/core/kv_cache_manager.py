@@ -5,7 +5,7 @@ list, ref counts, block tables; block 0 is the null block) grows, shrinks and fr
 sequence's blocks. Prefix caching: `computed_blocks(seq)` is the run of cached blocks an
 admitted sequence may start from, `start_from_cache` shares them, `cache_computed_blocks`
 registers what a prefill chunk completed, and `cached_prefix_tokens` answers a router without
-changing anything. Keys are the sha256 chain of `prefix_cache.py`, rooted in the namespace
+changing anything. `observe` attaches the prefix cache's observer (KV events). Keys are the sha256 chain of `prefix_cache.py`, rooted in the namespace
 (model, dtype, block size, ...) and the request's `cache_salt`.
 
 A hit never changes a request's output: it is cut to the request's own prefill-chunk
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from jaxbatch.core.block_manager import BlockManager
 from jaxbatch.core.config import SchedulerConfig
-from jaxbatch.core.prefix_cache import extend_keys, root_key
+from jaxbatch.core.prefix_cache import PrefixCacheObserver, extend_keys, root_key
 from jaxbatch.core.request import Sequence
 
 
@@ -96,7 +96,25 @@ class KVCacheManager:
         keys = extend_keys(seq.block_keys, root, tokens, bs, end // bs)
         for i in range(start // bs, end // bs):
             self.blocks.register_cached(seq.seq_id, i, keys[i], keys[i - 1] if i else root,
-                                        tokens[i * bs:(i + 1) * bs])
+                                        tokens[i * bs:(i + 1) * bs], (seq, i))
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """The pool and the prefix cache, as LLMEngine.stats() reports them (num_gpu_blocks:
+        vLLM's count of the pool, the null block included)."""
+        return {"num_free_blocks": self.blocks.num_free_blocks,
+                "num_total_blocks": self.blocks.num_total_blocks,
+                "block_size": self.config.block_size, "num_gpu_blocks": self.config.num_blocks,
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "prefix_cache_granularity": self.config.prefix_cache_granularity,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits}
+
+    def observe(self, observer: PrefixCacheObserver) -> None:
+        """`observer` is told of every block the prefix cache stores or evicts, and of resets
+        (prefix_cache.py's seam; its `stored` origin is (sequence, block index))."""
+        if not self.caching:
+            raise ValueError("observing the prefix cache needs enable_prefix_caching=True")
+        self.blocks.prefix_index.observer = observer

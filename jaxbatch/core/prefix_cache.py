@@ -10,6 +10,11 @@ same tokens after the same (already matched) prefix.
 `PrefixIndex` is the bookkeeping only: key -> block, and the cached blocks no sequence holds
 (reference count 0) in least-recently-used order, evicted on demand. Which blocks may be
 registered (only KV computed exactly as a cold run computes it) is the scheduler's rule.
+
+`PrefixCacheObserver` is the one seam through which anything outside the core learns what the
+cache holds: the index tells its observer (if any) of every block registered, every block
+evicted and every reset, as they happen (jaxbatch/kv_events/ publishes them as vLLM's KV
+events).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 def root_key(namespace: str, cache_salt: str | None) -> bytes:
@@ -38,8 +44,21 @@ def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], block_
     return keys
 
 
+class PrefixCacheObserver(Protocol):
+    def stored(self, key: bytes, token_ids: tuple[int, ...], origin: Any) -> None:
+        """A block entered the cache under `key` (`origin`: what its registrar passed: the
+        KV cache manager passes (sequence, index of the block in it))."""
+
+    def removed(self, key: bytes) -> None:
+        """The block cached under `key` was evicted."""
+
+    def cleared(self) -> None:
+        """Every key was forgotten (a reset)."""
+
+
 class PrefixIndex:
-    def __init__(self):
+    def __init__(self, observer: PrefixCacheObserver | None = None):
+        self.observer = observer
         self._block_of: dict[bytes, int] = {}
         # block -> (key, parent key, tokens)
         self._entry_of: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
@@ -65,13 +84,18 @@ class PrefixIndex:
             return None
         return block
 
-    def register(self, block: int, key: bytes, parent: bytes, token_ids: Sequence[int]) -> bool:
+    def register(self, block: int, key: bytes, parent: bytes, token_ids: Sequence[int],
+                 origin: Any = None) -> bool:
         """False (nothing changes) if the block is already cached or another block already
-        holds this key (two sequences computed the same prefix at once: the first one wins)."""
+        holds this key (two sequences computed the same prefix at once: the first one wins).
+        `origin` is handed to the observer as is."""
         if block in self._entry_of or key in self._block_of:
             return False
+        tokens = tuple(token_ids)
         self._block_of[key] = block
-        self._entry_of[block] = (key, parent, tuple(token_ids))
+        self._entry_of[block] = (key, parent, tokens)
+        if self.observer is not None:
+            self.observer.stored(key, tokens, origin)
         return True
 
     # ---- the evictable queue -------------------------------------------------------------
@@ -91,6 +115,8 @@ class PrefixIndex:
     def _forget(self, block: int) -> None:
         key = self._entry_of.pop(block)[0]
         del self._block_of[key]
+        if self.observer is not None:
+            self.observer.removed(key)
 
     def clear(self) -> list[int]:
         """Forgets every key; returns the parked blocks, which become plain free blocks.
@@ -99,6 +125,8 @@ class PrefixIndex:
         self._evictable.clear()
         self._block_of.clear()
         self._entry_of.clear()
+        if self.observer is not None:
+            self.observer.cleared()
         return parked
 
     def check_invariants(self, ref_counts: list[int]) -> None:

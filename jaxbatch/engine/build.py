@@ -75,5 +75,15 @@ def _replicas(model, count: int, loaded, engine_kwargs):
     # arrays for that), or all share the one copy on the default device.
     loaded = loaded or load_model(model, engine_kwargs.get("dtype", "auto"),
                                   on_device=groups[0] is None)
-    return DataParallelEngine([LLMEngine(model, devices=group, loaded=loaded, **engine_kwargs)
-                               for group in groups])
+    return DataParallelEngine([LLMEngine(model, devices=group, loaded=loaded,
+                                         **_replica_options(engine_kwargs, rank))
+                               for rank, group in enumerate(groups)])
+
+
+def _replica_options(engine_kwargs: dict, rank: int) -> dict:
+    """Replica `rank` publishes its KV events as vLLM's data-parallel rank `rank` does: on the
+    endpoints' ports + rank, each batch naming the rank."""
+    events = engine_kwargs.get("kv_events_config")
+    if not events:
+        return engine_kwargs
+    return {**engine_kwargs, "kv_events_config": {**events, "data_parallel_rank": rank}}

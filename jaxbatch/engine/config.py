@@ -15,6 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxbatch.kv_events.config import KVEventsConfig
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
 
 POLICIES = ("fcfs", "priority", "shortest_prompt_first")
@@ -90,6 +91,10 @@ class CacheOptions:
         "chunk", "chunk: prefix hits in whole prefill chunks, outputs exactly as with the "
         "cache off; block: in whole blocks, as vLLM (short system prompts shared too)",
         ("chunk", "block"))
+    kv_events_config: dict | None = option(
+        None, 'publish what enters and leaves the prefix cache as vLLM\'s KV events, as JSON '
+        'with vLLM\'s keys: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"} (docs/deploy.md)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +196,7 @@ class EngineConfig:
             _check(name, value, OPTIONS[name])
         _check_tensor_parallel(self)
         _check_lora(self)
+        _check_kv_events(self)
         SpeculativeConfig.from_dict(self.speculative.speculative_config)   # raises if invalid
 
     # ---- cross-feature checks: every one here, so a refused combination fails before
@@ -279,6 +285,19 @@ def _check_lora(config: "EngineConfig") -> None:
     cpu = config.lora.max_cpu_loras
     if cpu is not None and cpu < config.lora.max_loras:
         raise ValueError(f"max_cpu_loras={cpu} must be >= max_loras={config.lora.max_loras}")
+
+
+def _check_kv_events(config: "EngineConfig") -> None:
+    """KV events describe the prefix cache of one engine process."""
+    events = KVEventsConfig.from_dict(config.cache.kv_events_config)    # raises if invalid
+    if events is None or not events.publishes:
+        return
+    if not config.cache.enable_prefix_caching:
+        raise ValueError("kv_events_config publishes the prefix cache's blocks: it needs "
+                         "enable_prefix_caching=True")
+    if config.parallel.num_processes > 1:
+        raise ValueError("kv_events_config with num_processes > 1 is not supported yet (every "
+                         "process would publish the same blocks)")
 
 
 def flag_name(name: str) -> str:

@@ -2,12 +2,13 @@
 its own devices when there are enough) behind LLMEngine's interface, for models that fit one
 device and traffic that does not.
 
-Routing: a request goes to the replica with the least outstanding work, counted in tokens
-still to compute (prompt tokens not yet prefilled + tokens still to generate, at most
-max_tokens per completion), not in requests: one long prompt weighs as much as many short
-ones. Prefix affinity: the prompt tokens a replica's prefix cache already holds for the request
-are work it will not do there, so they count against that replica's load. Ties go to the lowest
-index, so routing is deterministic.
+Routing: the prefix-affinity rule of core/replica_choice.py, the one the Ray Serve router
+follows too. Load is outstanding work counted in tokens still to compute (prompt tokens not yet
+prefilled + tokens still to generate, at most max_tokens per completion), not in requests: one
+long prompt weighs as much as many short ones. A replica whose prefix cache holds part of the
+prompt is preferred while its extra load is at most the tokens that cache saves (the prefill it
+will not do there); otherwise the least loaded wins. Ties go to the lowest index, so routing is
+deterministic.
 
 Stepping: one `step()` steps every replica that has work, each in its own thread: the Python
 of a step holds the GIL, but the device work and the wait for its results release it, so the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
+from jaxbatch.core.replica_choice import choose_replica
 from jaxbatch.engine.interface import EngineBase
 
 
@@ -73,8 +75,7 @@ class DataParallelEngine(EngineBase):
         _, ids, params = self.validate_request(request_id, prompt, params, priority,
                                                lora_request)
         cached = [r.cached_prefix_tokens(ids, params) for r in self.replicas]
-        cost = [w - c for w, c in zip(self.outstanding_work(), cached)]
-        target = cost.index(min(cost))
+        target = choose_replica(self.outstanding_work(), cached, max_imbalance=max(cached))
         self.replicas[target].add_request(request_id, prompt, params, priority, arrival_time)
         self._routed[str(request_id)] = _Routed(target, len(ids) - cached[target],
                                                 params.n * params.max_tokens)
@@ -122,6 +123,10 @@ class DataParallelEngine(EngineBase):
 
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
 
     def prepare_for_serving(self) -> None:
         for r in self.replicas:

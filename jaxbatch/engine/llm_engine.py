@@ -37,7 +37,6 @@ from jaxbatch.model.loader import LoadedModel
 from jaxbatch.outputs import RequestOutput
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
-from jaxbatch.reasoning.parser import get_reasoning_parser
 from jaxbatch.structured.manager import StructuredOutputManager
 from jaxbatch.worker import compile_cache, weight_forms
 from jaxbatch.worker.runner import ModelRunner
@@ -68,7 +67,7 @@ class LLMEngine(EngineBase):
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.reasoning = get_reasoning_parser(config.model.reasoning_parser, self.tokenizer)
+        self.reasoning = setup.reasoning_parser(config, self.tokenizer)
         self.load_seconds = loaded.load_seconds
         param_dtype = loaded.params["embed"].dtype     # layer matrices may be int8
         self.kv_cache_dtype = config.cache.kv_cache_dtype
@@ -90,8 +89,9 @@ class LLMEngine(EngineBase):
         self.runner = runner
         # LoRA adapters (jaxbatch/lora/): the manager, or None without enable_lora.
         self.lora = setup.lora_manager(config, runner, self.scheduler)
-        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/);
-        # a reasoning model's thought (jaxbatch/reasoning/) is split from the text and free.
+        # KV events (jaxbatch/kv_events/): the prefix cache's observer (a no-op one if off)
+        self.kv_events = setup.kv_events(config, self.config, self.scheduler, self.lora)
+        # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   eos, reasoning=self.reasoning)
         verify_keys_added = False
@@ -261,7 +261,12 @@ class LLMEngine(EngineBase):
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks in use stay with their sequences)."""
         self.scheduler.reset_prefix_cache()
+        self.kv_events.flush()
         return True
+
+    def shutdown(self) -> None:
+        """Publishes the last KV events and closes their sockets."""
+        self.kv_events.close()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.outputs) > 0
@@ -315,6 +320,7 @@ class LLMEngine(EngineBase):
                 self._in_flight = dispatched
             else:       # (a step only of sequences that ended meanwhile is not left pending)
                 outputs += self._finish_step(dispatched)
+        self.kv_events.flush()      # what the prefix cache did this step, as one batch
         return outputs
 
     def _has_live_sequence(self, plan) -> bool:
@@ -371,7 +377,6 @@ class LLMEngine(EngineBase):
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
-        blocks = self.scheduler.blocks
         speculation = self.scheduler.speculation
         # Requests, not sequences (n=8 is one request), for vllm:num_requests_*.
         running = {s.request_id for s in self.scheduler.running}
@@ -381,8 +386,7 @@ class LLMEngine(EngineBase):
             "num_waiting": len(self.scheduler.waiting),
             "num_running_requests": len(running),
             "num_waiting_requests": len({s.request_id for s in self.scheduler.waiting} - running),
-            "num_free_blocks": blocks.num_free_blocks,
-            "num_total_blocks": blocks.num_total_blocks,
+            **self.scheduler.kv_cache.stats(),   # the pool and the prefix cache
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.runner.num_compilations,
             "num_compilations_after_warmup": len(self.runner.compilations_after_warmup),
@@ -405,10 +409,6 @@ class LLMEngine(EngineBase):
             "kv_cache_dtype": precision.logical_kv_dtype(self.runner.pool[0].dtype),
             "quantization": self.quantization,
             "max_num_seqs": self.config.max_num_seqs,
-            "enable_prefix_caching": self.config.enable_prefix_caching,
-            "prefix_cache_granularity": self.config.prefix_cache_granularity,
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             **(speculation.stats() if speculation is not None else NO_SPECULATION_STATS),
             **self.structured.stats(),        # structured outputs: structured_* counters
             **(self.lora.stats() if self.lora is not None else {}),   # LoRA: lora_* counters

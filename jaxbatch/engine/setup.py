@@ -5,15 +5,19 @@ and nowhere else."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
 from jaxbatch.core.config import SchedulerConfig
 from jaxbatch.engine.config import EngineConfig
+from jaxbatch.kv_events.config import NO_KV_EVENTS, KVEventsConfig
+from jaxbatch.lora.request import user_cache_salt
 from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import params_are_quantized, quantize_params
+from jaxbatch.reasoning.parser import ReasoningParser, get_reasoning_parser
 from jaxbatch.spec_decode.draft_model import DraftModelProposer
 from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
@@ -22,6 +26,8 @@ from jaxbatch.worker.kv_cache import blocks_for_budget
 from jaxbatch.worker.kernels import KernelOptions
 from jaxbatch.worker.runner import ModelRunner
 from jaxbatch.worker.weight_forms import to_plain
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -145,6 +151,12 @@ def kernel_options(config: EngineConfig) -> KernelOptions:
                          weight_layout=rt.weight_layout)
 
 
+def reasoning_parser(config: EngineConfig, tokenizer) -> ReasoningParser | None:
+    """The reasoning model's thought tags (jaxbatch/reasoning/), or None without the option;
+    a tokenizer without them is a ValueError here, before the runner is built."""
+    return get_reasoning_parser(config.model.reasoning_parser, tokenizer)
+
+
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):
     """LoRA engines: the adapter manager, wired as the scheduler's admission seam (its loads
     and slots reach the runner in the plans); None without enable_lora."""
@@ -171,3 +183,40 @@ def check_shared_runner(runner: ModelRunner, sched: SchedulerConfig,
         raise ValueError("runner= needs the same max_num_seqs, num_blocks, block_size, "
                          "max_model_len, prefill chunk size, kv_cache_dtype, "
                          "quantization and unified_step as this engine")
+
+
+def kv_events(config: EngineConfig, sched: SchedulerConfig, scheduler, lora):
+    """The KV event recorder (jaxbatch/kv_events/), attached to the prefix cache as its
+    observer and publishing through ZMQ; a recorder that records nothing unless
+    kv_events_config enables events."""
+    events = KVEventsConfig.from_dict(config.cache.kv_events_config)
+    if events is None or not events.publishes:
+        return NO_KV_EVENTS
+    if sched.prefix_cache_granularity == "chunk":
+        logger.warning(
+            "kv_events_config with prefix_cache_granularity='chunk': a router reads every "
+            "published block as a hit, but this engine serves hits only in whole prefill chunks "
+            "(%d tokens) and caches only blocks of full chunks; set "
+            "prefix_cache_granularity='block' behind a KV-event router", sched.prefill_chunk_size)
+    try:
+        from jaxbatch.kv_events.publisher import ZmqEventPublisher
+        from jaxbatch.kv_events.recorder import KVEventRecorder
+    except ImportError as e:
+        raise ValueError(f"kv_events_config needs pyzmq, msgspec and cbor2 "
+                         f"(pip install 'jaxbatch[kv-events]'): {e}") from None
+    recorder = KVEventRecorder(events, sched.block_size, ZmqEventPublisher(events),
+                               lambda seq: block_origin(seq, lora),
+                               memo_size=max(1 << 16, 4 * sched.num_blocks))
+    scheduler.kv_cache.observe(recorder)
+    return recorder
+
+
+def block_origin(seq, lora):
+    """What vLLM hashes besides a sequence's tokens: its adapter (from the LoRA manager, or
+    None) and the salt its user gave (the engine's salt also names the adapter)."""
+    from jaxbatch.kv_events.recorder import BlockOrigin
+    request = lora.known.get(seq.lora_int_id) if lora is not None else None
+    salt = user_cache_salt(seq.params.cache_salt, request)
+    if request is None:
+        return BlockOrigin(cache_salt=salt)
+    return BlockOrigin(request.lora_int_id, request.lora_name, request.lora_path, salt)

@@ -345,6 +345,8 @@ class AsyncLLM:
             engine = self._factory()
             self.engine, self.tokenizer = engine, engine.tokenizer
             self.stats = engine.stats()
+            if self.metrics is not None:     # the pool's gauges from the start, as vLLM's
+                self.metrics.record([], self.stats, time.monotonic())
             with self._cv:       # drain() may be setting DRAINING on the event loop
                 if self.state == STARTING:
                     self.state = READY

@@ -3,24 +3,21 @@
 Flags are LLM's keyword arguments spelled with dashes, as `vllm serve` spells them. Startup
 order matters: uvicorn binds the port first and the engine (weights, warm-up) is built on the
 engine thread afterwards, so orchestrators see a live port whose /health says 503 until ready.
-Nothing here imports JAX; the engine thread does, when it builds the engine.
+Nothing here imports JAX; the engine thread does, when it builds the engine. The server's
+flags and app: server_app.py; `jaxbatch ray-serve`: ray_cluster/.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import os
 import signal
 import sys
 
 import uvicorn
 
-from jaxbatch.engine.config import (EngineConfig, add_engine_flags, engine_kwargs_from_args,
-                                    int_at_least)
+from jaxbatch.engine.config import EngineConfig, engine_kwargs_from_args, int_at_least
+from jaxbatch.entrypoints.server_app import add_server_flags, server_app
 
-# The embedded model's name (jaxbatch.model.loader.DEFAULT_MODEL; not imported: that pulls JAX).
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVING_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -31,77 +28,41 @@ def _port(text: str) -> int:
     return value
 
 
-_positive = int_at_least(1)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxbatch")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(s)      # every engine option, from jaxbatch/engine/config.py
+    add_server_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000)
-    s.add_argument("--served-model-name", default=None,
-                   help="the name /v1/models lists and requests use (default: MODEL as given)")
-    s.add_argument("--max-num-queued-reqs", type=_positive, default=None,
-                   help="answer 503 + Retry-After once this many sequences (prompts x n) are "
-                        "waiting or running")
-    s.add_argument("--max-prompts-per-request", type=_positive, default=128,
-                   help="prompts one /v1/completions request may list")
-    s.add_argument("--max-request-body-bytes", type=_positive, default=4 << 20,
-                   help="413 for a larger request body, checked while it is read")
-    s.add_argument("--max-concurrent-requests", type=_positive, default=None,
-                   help="503 beyond this many requests in flight (/health, /metrics exempt)")
     s.add_argument("--timeout-header-read", type=float, default=10.0,
                    help="close a connection that takes longer to send a request's headers")
     s.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="close a keep-alive connection idle this long")
-    s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="allow chat_template in requests (rendered in a killable subprocess "
-                        "with time, size and memory limits); refused with 400 otherwise")
-    s.add_argument("--api-key", default=os.environ.get("JAXBATCH_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (env JAXBATCH_API_KEY)")
     s.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before abort")
     s.add_argument("--log-level", default="info")
+    # --- ray-serve: the same server as replicas on a Ray cluster (entrypoints/ray_cluster/)
+    r = sub.add_parser("ray-serve", help="the same server as replicas on a Ray cluster",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_flags(r)
+    from jaxbatch.entrypoints.ray_cluster.flags import add_ray_flags
+    add_ray_flags(r)
     # --- bench: listed here for `jaxbatch --help`; main() hands its arguments to the registry
     sub.add_parser("bench", help="benchmarks: `jaxbatch bench` lists them", add_help=False)
-    # Tool calls parsed from free text (tool_choice "auto"): entrypoints/openai/tool_parsers.py
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"])
-    # LoRA adapters a request may name in "model" (entrypoints/openai/lora_routes.py)
-    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                   help="PEFT adapters served under NAME (needs --enable-lora)")
     return ap
 
 
 def serve(args) -> int:
-    from jaxbatch.entrypoints.openai.app import build_app
-
     kwargs = engine_kwargs_from_args(args)
     EngineConfig.from_kwargs(**kwargs)     # refuse bad options now, not on the engine thread
-    model = kwargs.pop("model")
     if args.num_processes > 1:
         # Here, on the main thread, before uvicorn installs its signal handlers (multihost.py).
         from jaxbatch.engine import multihost
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if args.process_id != 0:
-            return follow(model, kwargs)
-
-    from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, parse_lora_modules
-    name = args.served_model_name or model or DEFAULT_MODEL_NAME
-    lora = LoRARegistry(name, kwargs.get("enable_lora", False),
-                        parse_lora_modules(args.lora_modules))    # ValueError: exit 2
-
-    def engine_factory():   # runs on the engine thread, after the port is bound
-        from jaxbatch.engine.build import build_engine
-        engine = build_engine(model, **kwargs)
-        lora.check_at_start(engine)    # a bad adapter: the server refuses to start, saying why
-        engine.prepare_for_serving()        # e.g. the grammar tokenizer, off the engine thread
-        _freeze_startup_heap()
-        return engine
+            return follow(kwargs.pop("model"), kwargs)
 
     failed = []
 
@@ -112,18 +73,9 @@ def serve(args) -> int:
             failed.append(exc)
             server.should_exit = True
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("jaxbatch serve: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+    app = server_app(args, on_engine_dead)
+    if app is None:
         return 2
-    app = build_app(engine_factory, served_model_name=name, model_root=model or DEFAULT_MODEL_NAME,
-                    api_key=args.api_key, max_queued_requests=args.max_num_queued_reqs,
-                    on_engine_dead=on_engine_dead,
-                    trust_request_chat_template=args.trust_request_chat_template,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    max_concurrent_requests=args.max_concurrent_requests,
-                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    lora=lora)
     _raise_fd_limit()
     # The engine thread and the event loop share the GIL. When the engine thread comes back
     # from the device wanting it while the loop is writing a step's chunks, CPython hands it
@@ -151,17 +103,6 @@ def serve(args) -> int:
         print(f"jaxbatch serve: the engine failed to start: {failed[0]!r}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
-
-
-def _freeze_startup_heap() -> None:
-    """Everything alive once the engine is built (the weights' wrappers, compiled executables,
-    tokenizer tables: hundreds of thousands of objects) moves out of Python's cyclic collector.
-    A full collection walks every tracked object while it holds the GIL: on a serving process
-    it paused every stream at once, now and then (docs/BENCHMARKS.md). vLLM freezes its engine's
-    start-up heap for the same reason. What the server allocates from here on is collected as
-    before; this process keeps one engine for its life, so nothing frozen is waiting to be freed."""
-    gc.collect()
-    gc.freeze()
 
 
 def _raise_fd_limit() -> None:
@@ -225,11 +166,14 @@ def main(argv=None) -> int:
         from jaxbatch.benchmarks.registry import main as bench
         return bench(argv[1:])
     args = _parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "ray-serve"):
         try:
+            if args.command == "ray-serve":
+                from jaxbatch.entrypoints.ray_cluster.deploy import main as ray_serve
+                return ray_serve(args)
             return serve(args)
         except ValueError as e:         # a bad option: said in one line, exit 2 like argparse
-            print(f"jaxbatch serve: error: {e}", file=sys.stderr)
+            print(f"jaxbatch {args.command}: error: {e}", file=sys.stderr)
             return 2
     return 2
 

@@ -32,6 +32,14 @@ def lora_cache_salt(cache_salt: str | None, request: "LoRARequest | None") -> st
     return f"{cache_salt or ''}\x1flora:{request.lora_int_id}:{request.lora_path}"
 
 
+def user_cache_salt(cache_salt: str | None, request: "LoRARequest | None") -> str | None:
+    """The salt the user gave, from `lora_cache_salt`'s result (None if none was given)."""
+    if request is None or cache_salt is None:
+        return cache_salt
+    suffix = f"\x1flora:{request.lora_int_id}:{request.lora_path}"
+    return cache_salt.removesuffix(suffix) or None
+
+
 def per_request(lora_request, n: int) -> list:
     """`generate(..., lora_request=)`: one LoRARequest (or None) for all, or a list of n."""
     if isinstance(lora_request, (list, tuple)):

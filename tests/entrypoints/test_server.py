@@ -320,6 +320,10 @@ def test_metrics_parse_and_counters_move(server):
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
     # the start-up heap is out of the collector's walks (a full one would pause every stream)
     assert after[("jaxbatch:gc_frozen_objects", ())] > 10_000
+    # vLLM's cache info, which llm-d's endpoint picker reads for block size and count.
+    (info,) = [dict(k[1]) for k, v in after.items() if k[0] == "vllm:cache_config_info" and v == 1]
+    assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 1
+    assert info["enable_prefix_caching"] == "True" and info["prefix_caching_hash_algo"] == "sha256_cbor"
 
 
 def test_prefix_cache_hit_reports_cached_tokens_and_keeps_the_text(server):

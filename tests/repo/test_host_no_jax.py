@@ -11,6 +11,8 @@ HOST_MODULES = ["jaxbatch", "jaxbatch.core.block_manager", "jaxbatch.core.prefix
                 "jaxbatch.core.policies",
                 "jaxbatch.core.request", "jaxbatch.core.plan", "jaxbatch.core.config", "jaxbatch.sampling_params",
                 "jaxbatch.outputs", "jaxbatch.engine.detokenizer",
+                "jaxbatch.kv_events.config", "jaxbatch.kv_events.recorder",
+                "jaxbatch.kv_events.publisher",
                 # The server binds its port before the engine thread imports JAX.
                 "jaxbatch.entrypoints.cli", "jaxbatch.entrypoints.openai.app"]
 

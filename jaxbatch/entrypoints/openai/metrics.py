@@ -22,6 +22,20 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort")
+# vLLM's label names for vllm:cache_config_info (its CacheConfig fields, values as str()),
+# those with a meaning here.
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching",
+                       "prefix_caching_hash_algo", "num_gpu_blocks", "num_cpu_blocks", "engine")
+
+
+def cache_config_labels(stats: dict) -> tuple[str, ...]:
+    """The label values from an engine's stats(). The hash algorithm named is the one whose
+    hashes reach a router (the KV events' sha256 over CBOR); num_gpu_blocks counts the pool's
+    blocks, the null block included, whatever the device (vLLM's count)."""
+    return (str(stats["block_size"]),
+            "int8" if stats.get("kv_cache_dtype") == "int8" else "auto",
+            str(bool(stats.get("enable_prefix_caching", False))),
+            "sha256_cbor", str(stats["num_gpu_blocks"]), "None", "0")
 
 
 class ServerMetrics:
@@ -77,6 +91,12 @@ class ServerMetrics:
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                registry=reg)
         self._lora_labels: tuple | None = None
+        # vLLM's info series of its CacheConfig (labels a router reads: block_size,
+        # num_gpu_blocks), set once the engine's stats say what the pool is.
+        self.cache_config_info = Gauge("vllm:cache_config_info",
+                                       "Information of the LLMEngine CacheConfig",
+                                       CACHE_CONFIG_LABELS, registry=reg)
+        self._cache_config_labels: tuple | None = None
         self._model_name = model_name
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           ["model_name", "finished_reason"], registry=reg)
@@ -126,6 +146,8 @@ class ServerMetrics:
                 self._exported[key] = value
         if "lora_running" in stats:
             self._record_lora(stats, now)
+        if "num_gpu_blocks" in stats:
+            self._record_cache_config(stats)
         exported = self._exported_per_position
         for pos, value in enumerate(stats.get("spec_accepted_per_position", [])):
             if pos == len(exported):
@@ -142,6 +164,13 @@ class ServerMetrics:
             self.lora_info.clear()
             self._lora_labels = labels
         self.lora_info.labels(*labels).set(time.time())
+
+    def _record_cache_config(self, stats: dict) -> None:
+        labels = cache_config_labels(stats)
+        if labels != self._cache_config_labels:
+            self.cache_config_info.clear()
+            self._cache_config_labels = labels
+            self.cache_config_info.labels(*labels).set(1)
 
     def _record_output(self, out, now: float) -> None:
         """Per request: prompt tokens, TTFT and queue time once. Per completion (vLLM counts
