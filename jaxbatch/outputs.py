@@ -23,6 +23,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None        # "stop" | "length" | "abort" | None
     stop_reason: int | str | None = None
+    # With a reasoning parser: the thought (`text` is then the answer after it); None: no
+    # thought in this output, or no parser.
+    reasoning: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

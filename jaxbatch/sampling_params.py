@@ -75,6 +75,9 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias); the engine
     # checks the ids against its vocabulary.
     logit_bias: dict[int, float] | None = None
+    # With the engine's reasoning parser: the thought goes to CompletionOutput.reasoning and
+    # `text` is the answer; False keeps the raw text (as /v1/completions returns it).
+    split_reasoning: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -126,8 +129,9 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not self.cache_salt):
             fail("cache_salt", "must be None or a non-empty string")
-        if not isinstance(self.speculate, bool):
-            fail("speculate", "must be a bool")
+        for field in ("speculate", "split_reasoning"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "must be a bool")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
         self._validate_logit_bias()

@@ -75,7 +75,10 @@ def request_body(api: str, model: str, req: ServeRequest, max_tokens_field: str 
 def _chunk_text(api: str, choice: dict) -> str:
     if api == "chat":
         delta = choice.get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        # A reasoning model's thought counts as output: `reasoning` (jaxbatch, vLLM), or
+        # `reasoning_content` (older vLLM, SGLang).
+        return ((delta.get("content") or "") + (delta.get("reasoning") or "")
+                + (delta.get("reasoning_content") or ""))
     return choice.get("text") or ""
 
 

@@ -29,6 +29,7 @@ WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = (None, "last", "mean", "cls")
 NON_NEGATIVE = ("seed", "process_id")
+REASONING_PARSERS = (None, "qwen3", "deepseek_r1")     # jaxbatch/reasoning/parser.py
 
 
 def option(default, help: str, choices: tuple | None = None, positional: bool = False):
@@ -73,6 +74,9 @@ class ModelOptions:
         "the same weights against activations quantized to int8 per token in the matmul "
         "(int32 sums; on CPUs with AVX512-VNNI, or a GPU)",
         QUANTIZATIONS)
+    reasoning_parser: str | None = option(
+        None, "a reasoning model's thought (between its think tags) goes to the output's "
+        "reasoning, not its text, and a grammar starts after it", REASONING_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,7 @@ class LLMEngine(EngineBase):
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.reasoning = setup.reasoning_parser(config, self.tokenizer)
         self.load_seconds = loaded.load_seconds
         param_dtype = loaded.params["embed"].dtype     # layer matrices may be int8
         self.kv_cache_dtype = config.cache.kv_cache_dtype
@@ -91,7 +92,7 @@ class LLMEngine(EngineBase):
         self.kv_events = setup.kv_events(config, self.config, self.scheduler, self.lora)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  eos)
+                                                  eos, reasoning=self.reasoning)
         self.pooler, keys_added = pooling.make_pooler(config, loaded, runner)  # or None
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -100,7 +101,7 @@ class LLMEngine(EngineBase):
                 self.config.max_num_seqs,
                 speculative.max_batch_size * (1 + speculative.num_speculative_tokens)))
         self._rng = random.Random(config.runtime.seed)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.reasoning)
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
         self._pending_outputs: list[RequestOutput] = []

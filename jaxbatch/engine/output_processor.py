@@ -12,6 +12,7 @@ import dataclasses
 from jaxbatch.engine.detokenizer import IncrementalDetokenizer
 from jaxbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.core.request import Sequence, SequenceStatus
+from jaxbatch.reasoning.split import ReasoningSplit
 from jaxbatch.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class RequestState:
     # One incremental detokenizer per completion (by index), made on its first token: decoding
     # only the new tokens keeps text O(1) per token instead of re-decoding the whole output.
     detoks: dict[int, IncrementalDetokenizer] = dataclasses.field(default_factory=dict)
+    # A reasoning model's thought, split from the text (jaxbatch/reasoning/); None: no parser.
+    reasoning: ReasoningSplit | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,12 +76,20 @@ class RequestState:
             detok.update(seq.output_token_ids, final=True)   # aborted: flush what is left
         return detok.output_text(seq.is_finished)
 
+    def _split(self, seq: Sequence) -> tuple[str | None, str]:
+        """(reasoning, text): the thought apart, with a reasoning parser."""
+        text = self._text(seq)
+        if self.reasoning is None or not seq.params.split_reasoning:
+            return None, text
+        return self.reasoning.split(text, seq.is_finished)
+
     def make_output(self) -> RequestOutput:
         seqs = self.seqs
         completions = [CompletionOutput(
-            index=s.index, text=self._text(s), token_ids=list(s.output_token_ids),
+            index=s.index, text=text, token_ids=list(s.output_token_ids),
             logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason, reasoning=reasoning)
+            for s in seqs for reasoning, text in [self._split(s)]]
         times = lambda attr: [getattr(s, attr) for s in seqs if getattr(s, attr) is not None]  # noqa: E731
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
@@ -98,11 +109,16 @@ class RequestState:
 class OutputProcessor:
     """Every unfinished request's state, keyed by request id."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, reasoning=None):
+        """`reasoning`: the engine's ReasoningParser, or None."""
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.requests: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
+        if self.reasoning is not None:     # where the output starts: read from the prompt's end
+            phase = self.reasoning.first_phase(state.prompt_token_ids, self.tokenizer.decode)
+            state.reasoning = ReasoningSplit(self.reasoning, phase)
         self.requests[state.request_id] = state
 
     def __contains__(self, request_id: str) -> bool:

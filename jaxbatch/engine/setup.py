@@ -17,6 +17,7 @@ from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import int8_weights, params_are_quantized, quantize_params
+from jaxbatch.reasoning.parser import ReasoningParser, get_reasoning_parser
 from jaxbatch.spec_decode.draft_model import DraftModelProposer
 from jaxbatch.spec_decode.planner import SpeculativePlanner
 from jaxbatch.spec_decode.speculative import SpeculativeConfig
@@ -161,6 +162,12 @@ def kernel_options(config: EngineConfig) -> KernelOptions:
     return KernelOptions(cpu_kernels=rt.cpu_kernels, kv_prefetch=rt.kv_prefetch,
                          weight_layout=rt.weight_layout,
                          int8_activations=config.model.quantization == "w8a8")
+
+
+def reasoning_parser(config: EngineConfig, tokenizer) -> ReasoningParser | None:
+    """The reasoning model's thought tags (jaxbatch/reasoning/), or None without the option;
+    a tokenizer without them is a ValueError here, before the runner is built."""
+    return get_reasoning_parser(config.model.reasoning_parser, tokenizer)
 
 
 def lora_manager(config: EngineConfig, runner: ModelRunner, scheduler):

@@ -11,6 +11,12 @@ Lifecycle, as the engine drives it:
                          the masks to the runner's sampling as data
   remove(seq_id)         when the request ends or is aborted
 
+Reasoning models (an engine with a reasoning parser, jaxbatch/reasoning/): the grammar starts
+after the thought. A sequence's gate follows its output's phase token by token (thinking, maybe
+about to think, answering); its matcher consumes only the answer's tokens, and its rows carry
+no constraint while it thinks (the grammar's mask plus the opening tag while "maybe"), so the
+thought is free and the answer still follows the grammar.
+
 Matchers count the output tokens they consumed, so a recompute preemption (which keeps the
 tokens) feeds nothing twice. With host/device overlap, a step with grammar rows is planned and
 its forwards dispatched before the previous step is read; the engine then reads it, advances
@@ -29,6 +35,7 @@ import time
 import numpy as np
 
 from jaxbatch.core.plan import PENDING_TOKEN, SamplingRow
+from jaxbatch.reasoning.parser import Phase
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.structured.grammar import grammar_for
 
@@ -46,14 +53,23 @@ def _mask_threads() -> int:
 
 
 class _SeqMatcher:
-    def __init__(self, matcher):
+    def __init__(self, matcher, phase=None):
         self.matcher = matcher
-        self.consumed = 0           # output tokens fed to the matcher
+        self.consumed = 0           # output tokens read (fed to the matcher once answering)
+        self.phase = phase          # reasoning: the output's phase (None: no reasoning parser)
+
+    @property
+    def answering(self) -> bool:
+        return self.phase is None or self.phase is Phase.ANSWER
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        """`vocab_size`: the logits' width (the mask's; ids the tokenizer lacks are banned)."""
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 reasoning=None):
+        """`vocab_size`: the logits' width (the mask's; ids the tokenizer lacks are banned).
+        `reasoning`: the engine's ReasoningParser (jaxbatch/reasoning/), or None: grammars
+        then apply from the first output token."""
+        self.reasoning = reasoning
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -119,8 +135,14 @@ class StructuredOutputManager:
 
     def add(self, seq) -> None:
         if seq.params.structured_outputs is not None:
-            self._seqs[seq.seq_id] = _SeqMatcher(self._compile(seq.params).deep_copy())
+            phase = None
+            if self.reasoning is not None:
+                phase = self.reasoning.first_phase(seq.prompt_token_ids, self._decode)
+            self._seqs[seq.seq_id] = _SeqMatcher(self._compile(seq.params).deep_copy(), phase)
             self.advance(seq)     # (a sequence given with output tokens already)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._hf_tokenizer.decode(ids)
 
     def remove(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -153,6 +175,10 @@ class StructuredOutputManager:
         while end < len(out) and out[end] != PENDING_TOKEN:
             end += 1
         for token in out[state.consumed:end]:
+            if not state.answering:          # the thought: read by the gate, not the grammar
+                before, state.phase = state.phase, self.reasoning.next_phase(state.phase, token)
+                if not (state.answering and before is Phase.MAYBE):
+                    continue                 # (an answer that begins without a thought: fed)
             if not state.matcher.consume_token(token):
                 self.num_rejected_tokens += 1
                 logger.error("sequence %d: the grammar refused token %d: %s", seq.seq_id, token,
@@ -188,7 +214,11 @@ class StructuredOutputManager:
                 for _, i in items:        # only EOS: it ends rather than wander off its grammar
                     bitmask[i] = 0
                     for eos in self.eos_token_ids:
-                        bitmask[i].view(np.uint32)[eos >> 5] |= np.uint32(1 << (eos & 31))
+                        _allow(bitmask, i, eos)
+            elif not self._seqs[seq_id].answering:
+                self._fill_gated_rows(self._seqs[seq_id], sorted(items),
+                                      (drafts or {}).get(seq_id, []), bitmask,
+                                      fill_next_token_bitmask)
             elif len(items) == 1:
                 live.append((matcher, items[0][1]))
             else:
@@ -199,6 +229,25 @@ class StructuredOutputManager:
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_fills += 1
         return bitmask
+
+    def _fill_gated_rows(self, state, items, draft, bitmask, fill) -> None:
+        """Rows of a sequence still before its answer: row j samples after draft[:j]. Rows in
+        the thought stay all ones; a "maybe" row gets the grammar's mask plus the opening tag;
+        rows past the draft's end of thought get the grammar after the answer's drafts."""
+        phase, answer_from, phases = state.phase, None, []
+        for j in range(len(items)):
+            phases.append(phase)
+            if j < len(draft) and answer_from is None:
+                before, phase = phase, self.reasoning.next_phase(phase, draft[j])
+                if phase is Phase.ANSWER:
+                    answer_from = j if before is Phase.MAYBE else j + 1
+        for (_, i), row_phase in zip(items, phases):
+            if row_phase is Phase.MAYBE:
+                fill(state.matcher, bitmask, i)
+                _allow(bitmask, i, self.reasoning.start_id)
+        if answer_from is not None and answer_from < len(items):
+            self._fill_verification_rows(state.matcher, items[answer_from:], draft[answer_from:],
+                                         bitmask, fill)
 
     @staticmethod
     def _fill_verification_rows(matcher, items, draft, bitmask, fill) -> None:
@@ -218,9 +267,17 @@ class StructuredOutputManager:
         if consumed:
             matcher.rollback(consumed)
 
+    def is_answering(self, seq_id: int) -> bool:
+        """Whether the sequence's grammar applies now (always, without a reasoning parser)."""
+        return self._seqs[seq_id].answering
+
     def is_allowed(self, seq_id: int, token_id: int) -> bool:
         """Whether the sequence's matcher allows `token_id` next (tests, debugging)."""
         bitmask = np.zeros((1, self.words), np.int32)
         from llguidance.numpy import fill_next_token_bitmask
         fill_next_token_bitmask(self._seqs[seq_id].matcher, bitmask, 0)
         return bool((bitmask[0, token_id >> 5] >> (token_id & 31)) & 1)
+
+
+def _allow(bitmask: np.ndarray, row: int, token: int) -> None:
+    bitmask[row].view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))

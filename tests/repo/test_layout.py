@@ -19,6 +19,7 @@ RANKS = {
     "core": 1,             # host: scheduler, KV cache manager, requests, plans
     "structured": 1,       # host: grammar matchers and bitmasks
     "kv_events": 1,        # host: the prefix cache's observer, vLLM's KV events over ZMQ
+    "reasoning": 1,        # host: a reasoning model's thought tags (text split, grammar gate)
     "model": 2, "parallel": 2,
     "worker": 3,
     "lora": 3,
@@ -27,7 +28,7 @@ RANKS = {
     "benchmarks": 6,
     "entrypoints": 7,
 }
-HOST_ROOMS = ("records", "core", "structured", "kv_events")
+HOST_ROOMS = ("records", "core", "structured", "kv_events", "reasoning")
 FRONT = {"jaxbatch", "jaxbatch.__main__"}     # the package's lazy front door may name anything
 
 

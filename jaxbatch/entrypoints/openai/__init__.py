@@ -19,6 +19,8 @@
                     no half characters, nothing of a stop string that may still match.
 6. serving.py       turns cumulative outputs into OpenAI deltas: SSE frames for `stream: true`
                     (then `data: [DONE]`), or one JSON body when the final output arrives.
+                    (/v1/responses: responses_protocol.py makes it a chat request, responses.py
+                    shapes its output items and events.)
 7. the end          finished, or aborted when the client leaves (the generator's `finally`);
                     the engine frees the request's KV blocks on the next step. metrics.py has
                     recorded its tokens and latencies for /metrics.

@@ -34,6 +34,7 @@ from jaxbatch.entrypoints.openai.guards import BodyLimit, ConcurrencyGuard
 from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry, lora_router, models_response
 from jaxbatch.entrypoints.openai.metrics import ServerMetrics
 from jaxbatch.entrypoints.openai.preprocess import DEFAULT_MAX_PROMPTS_PER_REQUEST, Preprocessor
+from jaxbatch.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
 from jaxbatch.entrypoints.openai.serving import OpenAIServing, with_cancellation
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -150,6 +151,12 @@ def build_app(engine_factory, *, served_model_name: str, model_root: str | None 
     @v1.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
         return _respond(await with_cancellation(raw, serving.create_chat(req)))
+
+    responses = ResponsesServing(serving)      # /v1/responses: the chat path, stateless
+
+    @v1.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return _respond(await with_cancellation(raw, responses.create(req)))
 
     @v1.post("/v1/completions")
     async def completions(req: P.CompletionRequest, raw: Request):

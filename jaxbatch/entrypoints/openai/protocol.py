@@ -14,67 +14,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import Field, model_serializer
 
 from jaxbatch.sampling_params import SamplingParams
 
 
-class _Model(BaseModel):
-    """Response bodies, built by this server: a field they do not declare is a bug here, so it
-    raises instead of being dropped."""
-    model_config = ConfigDict(extra="forbid")
+from jaxbatch.entrypoints.openai.protocol_base import (  # noqa: F401 - shared, named as P.*
+    MAX_STOP_CHARS, MAX_STOP_STRINGS, METADATA_FIELDS, REFUSED_FIELDS, SEED_RANGE, ErrorInfo,
+    ErrorResponse, _drop_none, _Model, _Request, check_fields)
 
-
-class _Request(BaseModel):
-    """Request bodies: strict types; unknown keys are kept (`model_extra`) so `check_fields` can
-    name them in its 400."""
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-# Legacy function calling: refused, naming what replaced it (tools and structured outputs
-# are fields of the models below, read by structured.py).
-REFUSED_FIELDS = {
-    "functions": "'functions' is OpenAI's deprecated form of 'tools': send 'tools'",
-    "function_call": "'function_call' is OpenAI's deprecated form of 'tool_choice': send "
-                     "'tool_choice'"}
-
-# OpenAI's metadata: accepted, and nothing for the engine to honour.
-METADATA_FIELDS = {"user", "metadata", "store", "service_tier"}
-# Bounds checked before any work (the engine's stop-string scan is per token and per string).
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 4096
-# The seeds the engine honours: it keys each sequence's noise from a 32-bit seed.
-SEED_RANGE = (0, 2 ** 32)
-
-
-def check_fields(req: "_Request") -> tuple[str, str] | None:
-    """(param, message) for the first field this server does not implement, or None."""
-    for name in (req.model_extra or {}):
-        if name in REFUSED_FIELDS:
-            return name, REFUSED_FIELDS[name]
-        if name not in METADATA_FIELDS:
-            return name, f"'{name}' is not supported by this server"
-    return None
-
-
-def _drop_none(handler, obj, keys: tuple[str, ...]):
-    data = handler(obj)
-    for k in keys:
-        if data.get(k) is None:
-            data.pop(k, None)
-    return data
-
-
-# ---- errors --------------------------------------------------------------------------------
-class ErrorInfo(_Model):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(_Model):
-    error: ErrorInfo
 
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(_Request):
@@ -196,6 +144,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # an assistant's earlier calls
     tool_call_id: str | None = None                    # a "tool" message's answer to one
+    # An assistant's earlier thought (vLLM takes either name); templates read reasoning_content.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -218,6 +169,9 @@ class ChatCompletionRequest(_SamplingRequest):
         for m in self.messages:
             if m.role == "function":
                 return "messages", "role 'function' is OpenAI's deprecated form of 'tool'"
+            if (m.reasoning_content is not None or m.reasoning is not None) \
+                    and m.role != "assistant":
+                return "messages", "only assistant messages carry reasoning"
             for name in (m.model_extra or {}):
                 return "messages", f"message field '{name}' is not supported by this server"
             if isinstance(m.content, list):
@@ -246,8 +200,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return kw
 
     def content_chars(self) -> int:
-        return sum(len(m.content) if isinstance(m.content, str)
-                   else sum(len(p.text or "") for p in m.content or ()) for m in self.messages)
+        return sum((len(m.content) if isinstance(m.content, str)
+                    else sum(len(p.text or "") for p in m.content or ()))
+                   + len(m.reasoning_content or m.reasoning or "") for m in self.messages)
 
     def conversation(self) -> list[dict]:
         """Messages as the chat template wants them: content flattened to a string."""
@@ -261,6 +216,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if thought is not None:
+                msg["reasoning_content"] = thought
             out.append(msg)
         return out
 
@@ -346,11 +304,12 @@ class ChatLogProbs(_Model):
 class ChatMessageOut(_Model):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None      # with --reasoning-parser: the thought before the content
     tool_calls: list[dict[str, Any]] | None = None    # [{"id", "type", "function": {"name", "arguments"}}]
 
     @model_serializer(mode="wrap")
     def _ser(self, handler):
-        return _drop_none(handler, self, ("tool_calls",))
+        return _drop_none(handler, self, ("reasoning", "tool_calls"))
 
 
 class ChatChoice(_Model):
@@ -378,11 +337,12 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # [{"index", "id"?, "type"?, "function": {...}}]
 
     @model_serializer(mode="wrap")
     def _ser(self, handler):   # OpenAI's deltas carry only the keys that changed
-        return _drop_none(handler, self, ("role", "content", "tool_calls"))
+        return _drop_none(handler, self, ("role", "content", "reasoning", "tool_calls"))
 
 
 class ChatStreamChoice(_Model):

@@ -185,6 +185,17 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------
     async def create_chat(self, req: P.ChatCompletionRequest):
+        rid, stream, n_prompt, ticket, tools = await self.start_chat(req)
+        if req.stream:
+            return SSEResponse(self._chat_stream(req, rid, stream, n_prompt, ticket, tools))
+        try:
+            return await self._chat_full(req, rid, stream, n_prompt, tools)
+        finally:
+            ticket.release()
+
+    async def start_chat(self, req: P.ChatCompletionRequest, prefix: str = "chatcmpl"):
+        """Steps 1-4 of a chat request (/v1/responses too): -> (request id, its stream,
+        prompt tokens, the admission ticket (the caller releases it), tool plan)."""
         arrival = time.monotonic()
         lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
@@ -194,19 +205,15 @@ class OpenAIServing:
         params = _checked_params(req, max_tokens, k)
         self.pre.check_chat(req)
         ticket = self._admit(req.n, "n", lora)
-        handed_off = False
         try:
             tools, field = _constrained(req, params, self.tool_parser, chat=True)
             ids = await self.pre.chat_ids(req)
-            rid, streams = await self._start("chatcmpl", [ids], params, req.priority,
+            rid, streams = await self._start(prefix, [ids], params, req.priority,
                                              field or "messages", arrival, lora)
-            if req.stream:
-                handed_off = True
-                return SSEResponse(self._chat_stream(req, rid, streams[0], len(ids), ticket, tools))
-            return await self._chat_full(req, rid, streams[0], len(ids), tools)
-        finally:
-            if not handed_off:
-                ticket.release()
+        except BaseException:
+            ticket.release()
+            raise
+        return rid, streams[0], len(ids), ticket, tools
 
     async def _chat_full(self, req, rid, stream, n_prompt, tools=None):
         final = None
@@ -219,6 +226,9 @@ class OpenAIServing:
         choices = []
         for c in final.outputs:
             message, finish_reason = S.chat_message(_text(c, req), c.finish_reason, tools)
+            if c.reasoning is not None:   # a reasoning model's thought; a cut one leaves no content
+                message = {**message, "reasoning": c.reasoning,
+                           "content": message["content"] or None}
             choices.append(P.ChatChoice(
                 index=c.index, message=P.ChatMessageOut(**message),
                 logprobs=self._chat_logprobs(c, 0, req.top_logprobs or 0,
@@ -237,6 +247,7 @@ class OpenAIServing:
         text_chunk = TextChunks(lambda i, text: chunk(
             P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=text))))
         sent_text, sent_tok, done = [""] * n, [0] * n, [False] * n
+        sent_thought = [""] * n    # a reasoning model's: its thought streams as delta.reasoning
         tool_streams = [S.ToolStream(tools) for _ in range(n)] if tools else None
         cached, cut = 0, False
         try:
@@ -248,6 +259,11 @@ class OpenAIServing:
                     i, fin = c.index, c.finish_reason is not None
                     delta = _text(c, req)[len(sent_text[i]):]
                     new_tokens = len(c.token_ids) > sent_tok[i]
+                    thought = (c.reasoning or "")[len(sent_thought[i]):]
+                    if thought and not done[i]:
+                        sent_thought[i] = c.reasoning
+                        yield sse(chunk(P.ChatStreamChoice(
+                            index=i, delta=P.DeltaMessage(reasoning=thought))))
                     if done[i] or not (delta or fin or (req.logprobs and new_tokens)):
                         continue
                     finish_reason = c.finish_reason
@@ -290,6 +306,7 @@ class OpenAIServing:
         lora = self.check_model(req.model)
         self.llm.check_admitting()       # 503 while starting: the checks below need the engine
         params = E.ask_prompt_logprobs(req, _checked_params(req, E.max_tokens(req), req.logprobs))
+        params.split_reasoning = False   # completions are raw text, a thought included
         count = self.pre.check_completion(req)
         ticket = self._admit(count * req.n, "prompt" if count > 1 else "n", lora)
         handed_off = False
