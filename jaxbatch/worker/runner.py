@@ -45,8 +45,9 @@ from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.decoder import stack_layers
 from jaxbatch.model.layers import unsharded
 from jaxbatch.model.rope import inverse_frequencies
-from jaxbatch.core.plan import PrefillChunk, SampledToken, SamplingRow, StepPlan, StepResult
+from jaxbatch.core.plan import SamplingRow, StepPlan, StepResult
 from jaxbatch.worker.dispatched import DispatchedStep, ForwardedPart, ForwardedStep
+from jaxbatch.worker.read_back import prompt_logprobs_entries, sampled_token
 from jaxbatch.worker.executable_keys import ModelCallKey, SampleKey, as_key
 from jaxbatch.worker.step_inputs import ModelCall, StepLayout
 
@@ -347,7 +348,7 @@ class ModelRunner:
                 top_ids, top_lp = np.asarray(sampled[2]), np.asarray(sampled[3])
             if call.key.kind == "decode":
                 for i, (seq_id, j) in enumerate(call.decode_rows):
-                    token = _sampled(i, tokens, logprob, top_ids, top_lp,
+                    token = sampled_token(i, tokens, logprob, top_ids, top_lp,
                                      plan.sampling[seq_id].logprobs)
                     if j == 0:
                         result.sampled[seq_id] = token
@@ -356,10 +357,10 @@ class ModelRunner:
                 continue
             for i, (chunk, q0) in enumerate(zip(call.chunks, call.q_starts)):
                 if chunk.sample:
-                    result.sampled[chunk.seq_id] = _sampled(i, tokens, logprob, top_ids, top_lp,
-                                                            plan.sampling[chunk.seq_id].logprobs)
+                    result.sampled[chunk.seq_id] = sampled_token(
+                        i, tokens, logprob, top_ids, top_lp, plan.sampling[chunk.seq_id].logprobs)
                 if chunk.prompt_logprobs is not None:
-                    result.prompt_logprobs[chunk.seq_id] = _prompt_logprobs(
+                    result.prompt_logprobs[chunk.seq_id] = prompt_logprobs_entries(
                         chunk, q0, next_tokens.get(chunk.seq_id, -1), prompt_lp)
         result.timings["dispatch_s"] = step.dispatch_seconds
         result.timings["collect_s"] = time.perf_counter() - start
@@ -396,28 +397,3 @@ class ModelRunner:
         out = self.executables.run(key, self.example_args(key))
         self.pool = out[-1]
         jax.block_until_ready(out)
-
-
-
-def _sampled(row, tokens, logprob, top_ids, top_lp, k) -> SampledToken:
-    top = None
-    if k:
-        top = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lp[row, :k])}
-    return SampledToken(int(tokens[row]), float(logprob[row]), top)
-
-
-def _prompt_logprobs(chunk: PrefillChunk, q0: int, next_token: int, out) -> list[tuple[int, dict[int, float]]]:
-    """Logits at packed row q0 + i (chunk position i) score the token at absolute position
-    start + i + 1."""
-    target, top_ids, top_lp = (np.asarray(x) for x in out)
-    k = chunk.prompt_logprobs
-    following = list(chunk.token_ids[1:]) + [next_token]
-    entries = []
-    for i, token in enumerate(following):
-        if token < 0:
-            continue
-        row = q0 + i
-        d = {int(t): float(lp) for t, lp in zip(top_ids[row, :k], top_lp[row, :k])}
-        d[int(token)] = float(target[row])
-        entries.append((chunk.start + i + 1, d))
-    return entries

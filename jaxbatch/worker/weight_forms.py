@@ -33,124 +33,9 @@ import numpy as np
 
 from cpu_kernels import packed_gemm, w8a8_gemm
 from jaxbatch.model.layers import FUSED
-from jaxbatch.model.linear import (SILU_MUL, Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer,
-                                   pytree_weight)
-from pallas_kernels import w8a8
-
-# Calls of at least this many tokens take silu * up as the packed GEMM's epilogue: in a call
-# of a few decode rows the epilogue's exponentials and divisions cost about what XLA's
-# separate elementwise op costs there; in prefill calls the op costs more than the epilogue.
-SILU_EPILOGUE_MIN_ROWS = 32
-
-
-class Packed(Linear):
-    """A matrix packed for `cpu_kernels.packed_gemm` ([N / 16, K / s, 16 s], bf16 as bits)."""
-    packed: object
-
-    def apply(self, x, rows=None, out_dtype=None):
-        return packed_gemm.matmul(x, self.packed, out_dtype=out_dtype or x.dtype, rows=rows)
-
-    def fuses(self, epilogue, x) -> bool:
-        return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
-                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
-                and packed_gemm.silu_mul_why_not(self.packed) is None)
-
-    def apply_epilogue(self, x, epilogue, rows=None):
-        if not self.fuses(epilogue, x):
-            return super().apply_epilogue(x, epilogue, rows)
-        return packed_gemm.silu_mul(x, self.packed, rows=rows)
-
-    in_out = property(lambda self: packed_gemm.in_out_shape(self.packed))
-
-    def to_float(self):
-        return packed_gemm.unpack(self.packed)
-
-    @classmethod
-    def of(cls, w, like) -> "Packed":
-        """From [in, out] values; numpy stays numpy, a device array `like` goes back there."""
-        packed = packed_gemm.pack(np.asarray(w))
-        return cls(packed if isinstance(like, np.ndarray) else jnp.asarray(packed))
-
-
-Packed = pytree_weight(Packed, ("packed",))
-
-
-class W8A8(Linear):
-    """int8 values [.., in, out] and scales [.., out] against activations quantized per token:
-    the jnp reference (`pallas_kernels/w8a8.py`)."""
-    values: object
-    scale: object
-
-    def _product(self, x2, out_dtype):
-        return w8a8.w8a8_reference(x2, self.values, self.scale, out_dtype)
-
-    def apply(self, x, rows=None, out_dtype=None):
-        k, n = self.in_out
-        y = self._product(x.reshape(-1, k), out_dtype or x.dtype)
-        return y.reshape(*x.shape[:-1], n)
-
-    in_out = property(lambda self: tuple(self.values.shape[-2:]))
-    dtype_name = property(lambda self: "int8")
-
-    def to_float(self):
-        return self.values.astype(jnp.float32) * self.scale[..., None, :]
-
-
-class PallasW8A8(W8A8):
-    """The same on a GPU: the Pallas int8 MMA kernel."""
-
-    def _product(self, x2, out_dtype):
-        return w8a8.w8a8_matmul(x2, self.values, self.scale, out_dtype=jnp.dtype(out_dtype))
-
-
-class PackedW8A8(Linear):
-    """int8 values packed for `cpu_kernels.w8a8_gemm` ([N / 16, K / 4, 64]), the columns' scales
-    and offset shares."""
-    values: object
-    scale: object
-    comp: object
-
-    def _packed(self) -> w8a8_gemm.PackedInt8:
-        return w8a8_gemm.PackedInt8(self.values, self.scale, self.comp)
-
-    def apply(self, x, rows=None, out_dtype=None):
-        return w8a8_gemm.matmul(x, self._packed(), out_dtype=out_dtype or x.dtype, rows=rows)
-
-    def fuses(self, epilogue, x) -> bool:
-        return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
-                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
-                and w8a8_gemm.silu_mul_why_not(self._packed()) is None)
-
-    def apply_epilogue(self, x, epilogue, rows=None):
-        if not self.fuses(epilogue, x):
-            return super().apply_epilogue(x, epilogue, rows)
-        return w8a8_gemm.silu_mul(x, self._packed(), rows=rows)
-
-    in_out = property(lambda self: w8a8_gemm.in_out_shape(self.values))
-    dtype_name = property(lambda self: "int8")
-
-    def int8_values(self):
-        return w8a8_gemm.unpack(self.values)
-
-    def to_float(self):
-        return self.int8_values().astype(jnp.float32) * self.scale[None, :]
-
-    @classmethod
-    def of(cls, values, scale) -> "PackedW8A8":
-        """From int8 [in, out] values and [out] scales; numpy stays numpy, device arrays go
-        back to the device."""
-        packed = w8a8_gemm.pack(np.asarray(values), np.asarray(scale))
-        if not isinstance(values, np.ndarray):
-            packed = jax.tree.map(jnp.asarray, packed)
-        return cls(*packed)
-
-
-W8A8 = pytree_weight(W8A8, ("values", "scale"))
-PallasW8A8 = pytree_weight(PallasW8A8, ("values", "scale"))
-PackedW8A8 = pytree_weight(PackedW8A8, ("values", "scale", "comp"))
-W8A8_KERNELS = {"cpu": PackedW8A8, "pallas": PallasW8A8, "jnp": W8A8}
-_W8A8_FORMS = tuple(W8A8_KERNELS.values())
-
+from jaxbatch.model.linear import Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer
+from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, Packed, PackedW8A8,
+                                          PallasW8A8)
 
 @dataclasses.dataclass(frozen=True)
 class WeightForm:
@@ -204,7 +89,7 @@ def _in_form(params: dict, form: WeightForm) -> bool:
     fused = any(name in params["layers"] for name in FUSED)
     forms = [w for w in jax.tree.leaves(params, is_leaf=is_linear_leaf) if isinstance(w, Linear)]
     packed = any(isinstance(w, Packed) for w in forms)
-    w8a8_forms = {type(w) for w in forms if isinstance(w, _W8A8_FORMS)}
+    w8a8_forms = {type(w) for w in forms if isinstance(w, W8A8_FORMS)}
     w8a8_form = {W8A8_KERNELS[form.w8a8_kernel]} if form.w8a8_kernel else set()
     return (per_layer == form.per_layer and fused == form.fused and packed == form.packed
             and w8a8_forms == w8a8_form)

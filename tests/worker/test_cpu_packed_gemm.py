@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import packed_gemm
-from jaxbatch.worker.weight_forms import SILU_EPILOGUE_MIN_ROWS
+from jaxbatch.worker.kernel_forms import SILU_EPILOGUE_MIN_ROWS
 
 REASON = packed_gemm.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
