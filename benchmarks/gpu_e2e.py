@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -50,9 +51,16 @@ import jax.numpy as jnp
 
 # The random models are the package's (roofline and lora run them); re-exported for the tests.
 from jaxbatch.benchmarks.random_models import (  # noqa: F401
-    DTYPES, MODEL_SHAPES, embedding_std, logit_std, random_model, random_params)
+    DTYPES, MODEL_SHAPES, embedding_std, random_model, random_params)
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.model.loader import LoadedModel
+
+
+def logit_std(cfg: ModelConfig) -> float:
+    """Spread of the logits of `random_params`: the unit-RMS final hidden state (norm sqrt(d))
+    against output embeddings of std `embedding_std` (tied) or 1 (the untied lm_head)."""
+    head_std = embedding_std(cfg) if cfg.tie_word_embeddings else 1.0
+    return head_std * math.sqrt(cfg.hidden_size)
 
 
 def param_bytes(params) -> int:

@@ -54,26 +54,14 @@ def _layer_init(cfg: ModelConfig, dtype):
 
 
 def embedding_std(cfg: ModelConfig) -> float:
-    """Standard deviation of the random embeddings.
-
-    Untied: 1. Tied: sqrt(2 L / d). Each of the 2 L residual branches adds about unit RMS to
-    the residual stream, so the final hidden state keeps a share of about
-    sqrt(std^2 / (std^2 + 2 L)) of the input token's own embedding. With tied embeddings that
-    share turns into a head start for the input token's logit of std * sqrt(d) / sqrt(1 + 2 L /
-    std^2) standard deviations: at std = 1 that is ~8 for the 1B shape, so the model would
-    repeat its input token with probability ~1 whatever attention computes, and a greedy
-    comparison of two attention implementations would test nothing. At sqrt(2 L / d) the head
-    start is about one standard deviation."""
+    """Standard deviation of the random embeddings: untied 1, tied sqrt(2 L / d). The final
+    hidden state keeps a share sqrt(std^2 / (std^2 + 2 L)) of the input token's embedding (each
+    of 2 L residual branches adds unit RMS); tied, that is a head start for the input token's
+    logit, ~8 standard deviations at std = 1 for the 1B shape: the model would repeat its input
+    whatever attention computes, and a greedy kernel comparison would test nothing."""
     if not cfg.tie_word_embeddings:
         return 1.0
     return math.sqrt(2 * cfg.num_layers / cfg.hidden_size)
-
-
-def logit_std(cfg: ModelConfig) -> float:
-    """Spread of the logits of `random_params`: the unit-RMS final hidden state (norm sqrt(d))
-    against output embeddings of std `embedding_std` (tied) or 1 (the untied lm_head)."""
-    head_std = embedding_std(cfg) if cfg.tie_word_embeddings else 1.0
-    return head_std * math.sqrt(cfg.hidden_size)
 
 
 def random_params(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
@@ -82,7 +70,7 @@ def random_params(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
     so an 8B model never holds more than one layer's float32 temporaries.
 
     Embeddings ~ N(0, embedding_std^2), an untied lm_head ~ N(0, 1): logits then have a spread
-    of `logit_std` (several units), so greedy choices are rarely near-ties, and they depend on
+    of several units (benchmarks/gpu_e2e.py `logit_std`), so greedy choices are rarely near-ties, and they depend on
     what attention computes (see `embedding_std`): a kernel-vs-reference comparison tests the
     kernels, not rounding luck."""
     if cfg.qkv_bias or cfg.o_bias:

@@ -15,8 +15,7 @@ Decode: `rows` requests decoding in lockstep (`steady_decode_engine`, every leng
 then consecutive steps with it (the engine's default): the period at which it decodes. Medians
 over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed.
 
-    jaxbatch bench roofline [--rows 16 64] [--context 256] [--dtype auto]
-                            [--random-model 1B] [--quantization w8a8]
+    jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]
 """
 from __future__ import annotations
 
@@ -76,11 +75,9 @@ def read_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
 def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
     """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: XLA's dot, or our packed GEMM kernel
     (`cpu_kernels.packed_gemm`, what the engine's matmuls run on a CPU it covers) where that
-    is faster, so the floor is the faster of the two. quantization="w8a8": the int8 kernel's
-    (`cpu_kernels.w8a8_gemm`, x quantized per row in the call), the only one that runs it."""
+    is faster, so the floor is the faster of the two; for w8a8, `cpu_kernels.w8a8_gemm`'s."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from cpu_kernels import packed_gemm, w8a8_gemm
     a = jnp.ones((n, n), dtype)
