@@ -90,7 +90,7 @@ class LLMEngine(EngineBase):
         self.lora = setup.lora_manager(config, runner, self.scheduler)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  eos)
+                                                  eos, self.config.max_model_len)
         verify_keys_added = False
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -186,7 +186,7 @@ class LLMEngine(EngineBase):
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer")
-        self.structured.check(params)      # structured outputs: the grammar compiles
+        self.structured.check(params, len(ids))   # structured outputs: compiles, and fits
         return text, ids, params
 
     def _lora_weights(self, lora_request):
