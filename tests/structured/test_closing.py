@@ -1,0 +1,134 @@
+"""Answers that close within max_tokens, on the host (no model run): the closing path found
+from a matcher's state completes the text to valid JSON; a budget below the grammar's shortest
+answer is a ValueError naming max_tokens; and whatever tokens a sequence draws among those its
+masks allow (here drawn at random, longer and stranger than a model's), it ends as valid JSON
+at every budget from the shortest answer up."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxbatch import SamplingParams, StructuredOutputsParams
+from jaxbatch.core.plan import SamplingRow
+from jaxbatch.core.request import Sequence
+from jaxbatch.structured import StructuredOutputManager
+from jaxbatch.structured.grammar import grammar_for
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+# tool_choice "required"'s shape (entrypoints/openai/structured.py) for one function
+TOOL_CALLS = {"type": "array", "minItems": 1, "items": {"anyOf": [{
+    "type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+    "properties": {"name": {"type": "string", "enum": ["get_weather"]},
+                   "parameters": {"type": "object", "required": ["city", "unit"],
+                                  "properties": {"city": {"type": "string"},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]}}
+
+
+@pytest.fixture(scope="module")
+def manager():
+    from jaxbatch.model.loader import embedded_gguf_path, load_tokenizer
+    tokenizer = load_tokenizer(embedded_gguf_path())      # (the tokenizer alone: no weights)
+    return StructuredOutputManager(tokenizer, len(tokenizer), (tokenizer.eos_token_id,),
+                                   max_model_len=512)
+
+
+def _matcher(manager, so, prefix: str):
+    from llguidance import LLMatcher
+    tokenizer = manager._ll_tokenizer()
+    matcher = LLMatcher(tokenizer, grammar_for(so), log_level=0)
+    assert matcher.consume_tokens(tokenizer.tokenize_str(prefix) if prefix else [])
+    return matcher
+
+
+@pytest.mark.parametrize("schema, prefixes", [
+    (None, ['', '{', '{"a', '{"a":', '{"a":[1,2', '{"a":{"b":"x\\"y', '{"a":tr', '{"a":-',
+            '{"a":1.5e', '{"a":"\\u00']),
+    (PERSON, ['', '{"name":"Bo', '{"name":"Bob","age":1', '{"name":"Bob","age":12,"tags":["a']),
+    (TOOL_CALLS, ['', '[{"name":"get_weather","parameters":{"city":"Par']),
+])
+def test_closing_path_completes_the_text(manager, schema, prefixes):
+    so = (StructuredOutputsParams(json_object=True) if schema is None
+          else StructuredOutputsParams(json=schema))
+    manager._ll_tokenizer()
+    closer = manager._closer
+    for prefix in prefixes:
+        matcher = _matcher(manager, so, prefix)
+        path = closer.find(matcher)
+        assert matcher.is_accepting() is (path.text == b"")     # the matcher is left as it was
+        value = json.loads(prefix.encode() + path.text)
+        if schema is not None:
+            jsonschema.validate(value, schema)
+        assert 1 <= path.tokens_needed <= len(path.text)
+        # the tokens it allows next spell its start and leave enough to finish it
+        for t in closer.next_tokens(path, path.tokens_needed):
+            piece = closer.token_bytes[t]
+            assert path.text.startswith(piece)
+            assert 1 + path.after(piece).tokens_needed <= path.tokens_needed
+
+
+def test_budget_below_the_shortest_answer_is_a_value_error(manager):
+    so = StructuredOutputsParams(json=PERSON)
+    shortest = manager._shortest_answer(SamplingParams(structured_outputs=so),
+                                        manager._compile(SamplingParams(structured_outputs=so)))
+    # {"name":"","age":0,"tags":[""]}: more than one token, fewer than its bytes
+    assert 1 < shortest < len('{"name":"","age":0,"tags":[""]}')
+    manager.check(SamplingParams(max_tokens=shortest, structured_outputs=so), 10)
+    with pytest.raises(ValueError, match=rf"max_tokens={shortest - 1} is too small .* "
+                                         rf"takes {shortest} tokens"):
+        manager.check(SamplingParams(max_tokens=shortest - 1, structured_outputs=so), 10)
+    with pytest.raises(ValueError, match="max_tokens: a prompt of 500 tokens leaves 12"):
+        manager.check(SamplingParams(max_tokens=None, structured_outputs=so), 500)
+    assert manager.num_sequences == 0
+
+
+def _row(seq) -> SamplingRow:
+    return SamplingRow(seq.seq_id, 1.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, seq.num_tokens,
+                       seq.num_prompt_tokens, [], [], None)
+
+
+def _random_answer(manager, so, budget: int, rng, seq_id: int) -> tuple[bytes, int]:
+    """Draws each token uniformly among those the sequence's mask allows, to the budget or
+    EOS; -> (the answer's bytes, tokens)."""
+    params = SamplingParams(max_tokens=budget, structured_outputs=so)
+    seq = Sequence(seq_id, f"r{seq_id}", 0, [1, 2, 3], params, 0, 0.0, 0, 0)
+    manager.add(seq)
+    closer, eos = manager._closer, set(manager.eos_token_ids)
+    try:
+        while seq.num_output_tokens < budget:
+            bits = manager.fill_bitmask([_row(seq)])[0].view(np.uint8)
+            allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:manager.vocab_size])
+            token = int(rng.choice(allowed))
+            if token in eos:
+                break
+            seq.output_token_ids.append(token)
+            manager.advance(seq)
+    finally:
+        manager.remove(seq.seq_id)
+    return b"".join(closer.token_bytes[t] for t in seq.output_token_ids), seq.num_output_tokens
+
+
+@pytest.mark.parametrize("schema", [None, PERSON, TOOL_CALLS])
+def test_random_tokens_close_at_every_budget(manager, schema):
+    so = (StructuredOutputsParams(json_object=True) if schema is None
+          else StructuredOutputsParams(json=schema))
+    params = SamplingParams(structured_outputs=so)
+    shortest = manager._shortest_answer(params, manager._compile(params))
+    rng = np.random.default_rng(0)
+    before = manager.stats()
+    for budget in range(shortest, shortest + 40):
+        text, n = _random_answer(manager, so, budget, rng, 1000 + budget)
+        value = json.loads(text)         # valid JSON (UTF-8) whatever was drawn
+        if schema is not None:
+            jsonschema.validate(value, schema)
+        assert n <= budget
+    after = manager.stats()
+    assert after["structured_num_closing_rows"] > before["structured_num_closing_rows"]
+    assert after["structured_num_close_overshoots"] == 0
+    assert after["structured_num_rejected_tokens"] == 0
