@@ -18,6 +18,8 @@ import dataclasses
 # `0` is one byte, `""` two); `,` before the digits, or `[1` would grow into `[100000...`.
 CLOSE_ORDER = b'"}]:,0123456789{[ntf-' + bytes(c for c in range(32, 127)
                                                  if chr(c) not in '"}]:,0123456789{[ntf-')
+CLOSERS = (b'"', b"}", b"]")   # (a `"` here closes a string: one that opens is reordered)
+LOOK_AHEAD_OPTIONS = 8     # choices walked on at a branch (enum values start apart early)
 MAX_WALK_BYTES = 1024      # a walk this long has found no close (e.g. regex `a+b` walks `aaa...`)
 MAX_PIECE_BYTES = 32       # longer tokens (runs of spaces) never spell a closing text
 
@@ -56,23 +58,26 @@ class Closer:
         no accepting state within MAX_WALK_BYTES or the matcher is in error."""
         if matcher.is_error():
             return None
-        text, ids = bytearray(), []
+        text = self._walk(matcher, MAX_WALK_BYTES, look_ahead=True)
+        return None if text is None else self._priced(text)
+
+    def _walk(self, matcher, limit: int, look_ahead: bool) -> bytes | None:
+        """The bytes of a walk to an accepting state (None past `limit` bytes)."""
+        text, consumed = bytearray(), 0
         try:
             while not matcher.is_accepting():
-                if len(text) >= MAX_WALK_BYTES or matcher.is_stopped():
+                if len(text) >= limit or matcher.is_stopped():
                     return None
-                step = self._forced(matcher) or self._next_byte(matcher)
-                if step is None:
+                step = self._forced(matcher) or self._choose(matcher, limit - len(text),
+                                                             look_ahead)
+                if step is None or not matcher.consume_token(step[0]):
                     return None
-                token, piece = step
-                if not matcher.consume_token(token):
-                    return None
-                ids.append(token)
-                text += piece
+                consumed += 1
+                text += step[1]
         finally:
-            if ids:
-                matcher.rollback(len(ids))
-        return self._priced(bytes(text))
+            if consumed:
+                matcher.rollback(consumed)
+        return bytes(text)
 
     def _forced(self, matcher) -> tuple[int, bytes] | None:
         """The longest vocabulary token spelling the start of what the grammar forces."""
@@ -83,21 +88,46 @@ class Closer:
                     return token, forced[:n]
         return None
 
-    def _next_byte(self, matcher) -> tuple[int, bytes] | None:
-        deferred_quote = None
+    def _choose(self, matcher, limit: int, look_ahead: bool) -> tuple[int, bytes] | None:
+        """The first byte of CLOSE_ORDER the grammar allows; where that is no closer (a choice
+        between enum values, value kinds, anyOf branches), looking ahead: the first few
+        allowed bytes are each walked on (without looking further) and the shortest wins."""
+        options = self._allowed_bytes(matcher, LOOK_AHEAD_OPTIONS if look_ahead else 1)
+        if not options:
+            return None
+        if len(options) == 1 or options[0][1] in CLOSERS:
+            return options[0]
+        best, best_len = None, None
+        for token, piece in options[:LOOK_AHEAD_OPTIONS]:
+            matcher.consume_token(token)
+            rest = self._walk(matcher, min(limit, best_len or limit), look_ahead=False)
+            matcher.rollback(1)
+            if rest is not None and (best_len is None or len(rest) < best_len):
+                best, best_len = (token, piece), len(rest)
+        return best or options[0]
+
+    def _allowed_bytes(self, matcher, most: int) -> list[tuple[int, bytes]]:
+        """Up to `most` single-byte tokens the grammar allows, in CLOSE_ORDER, one digit at
+        most (they lead alike); a `"` that would open a string goes just before `{`."""
+        options, quote, digit = [], None, False
         for byte in CLOSE_ORDER:
-            token = self.single.get(byte)
-            if token is None or matcher.validate_tokens([token]) != 1:
-                continue
-            if byte == ord('"') and self._opens_string(matcher, token):
-                deferred_quote = token
-                continue
-            if byte == ord('{') and deferred_quote is not None:
+            if len(options) >= most:
                 break
-            return token, bytes([byte])
-        if deferred_quote is not None:
-            return deferred_quote, b'"'
-        return None
+            token = self.single.get(byte)
+            if token is None or (digit and chr(byte).isdigit()) \
+                    or matcher.validate_tokens([token]) != 1:
+                continue
+            digit = digit or chr(byte).isdigit()
+            if byte == ord('"') and self._opens_string(matcher, token):
+                quote = (token, b'"')
+                continue
+            if byte == ord('{') and quote is not None:
+                options.append(quote)
+                quote = None
+            options.append((token, bytes([byte])))
+        if quote is not None and len(options) < most:
+            options.append(quote)
+        return options
 
     def _opens_string(self, matcher, quote: int) -> bool:
         """Whether `"` here opens a string (a value may follow) rather than closing one: only

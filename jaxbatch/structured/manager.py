@@ -146,6 +146,14 @@ class StructuredOutputManager:
             limits.append(self.max_model_len - num_prompt_tokens)
         return min(limits) if limits else None
 
+    def shortest_answer(self, params: SamplingParams) -> int | None:
+        """Tokens the shortest answer the request's grammar accepts takes, as far as the
+        closing walk finds one (None: no grammar, or no close found): the least max_tokens
+        `check` lets through."""
+        if params.structured_outputs is None:
+            return None
+        return self._shortest_answer(params, self._compile(params))
+
     def _shortest_answer(self, params: SamplingParams, matcher) -> int | None:
         """Tokens of the closing path from the grammar's start (None: no close found)."""
         grammar = grammar_for(params.structured_outputs)

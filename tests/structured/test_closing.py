@@ -75,8 +75,7 @@ def test_closing_path_completes_the_text(manager, schema, prefixes):
 
 def test_budget_below_the_shortest_answer_is_a_value_error(manager):
     so = StructuredOutputsParams(json=PERSON)
-    shortest = manager._shortest_answer(SamplingParams(structured_outputs=so),
-                                        manager._compile(SamplingParams(structured_outputs=so)))
+    shortest = manager.shortest_answer(SamplingParams(structured_outputs=so))
     # {"name":"","age":0,"tags":[""]}: more than one token, fewer than its bytes
     assert 1 < shortest < len('{"name":"","age":0,"tags":[""]}')
     manager.check(SamplingParams(max_tokens=shortest, structured_outputs=so), 10)
@@ -118,8 +117,7 @@ def _random_answer(manager, so, budget: int, rng, seq_id: int) -> tuple[bytes, i
 def test_random_tokens_close_at_every_budget(manager, schema):
     so = (StructuredOutputsParams(json_object=True) if schema is None
           else StructuredOutputsParams(json=schema))
-    params = SamplingParams(structured_outputs=so)
-    shortest = manager._shortest_answer(params, manager._compile(params))
+    shortest = manager.shortest_answer(SamplingParams(structured_outputs=so))
     rng = np.random.default_rng(0)
     before = manager.stats()
     for budget in range(shortest, shortest + 40):
