@@ -334,12 +334,18 @@ class StructuredOutputManager:
         self.num_closing_rows += 1
         if close.tokens_needed > tokens_left:
             self.num_close_overshoots += 1
-        keep = np.zeros_like(row)
-        bits = keep.view(np.uint32)
         ids = self._closer.next_tokens(close, tokens_left) if close.text else self.eos_token_ids
+        keep = self._bits(ids) & row
+        if close.text and not keep.any():     # (no piece the grammar takes: its first byte)
+            keep = self._bits(self._closer.spell(close.text[:1]) or []) & row
+        if keep.any():                        # (never an empty row)
+            row[:] = keep
+
+    def _bits(self, ids) -> np.ndarray:
+        bits = np.zeros(self.words, np.uint32)
         for t in ids:
             bits[t >> 5] |= np.uint32(1 << (t & 31))
-        row &= keep
+        return bits.view(np.int32)
 
     def is_allowed(self, seq_id: int, token_id: int) -> bool:
         """Whether the sequence's matcher allows `token_id` next (tests, debugging)."""
