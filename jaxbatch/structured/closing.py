@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 # Closers first; `"` is deferred behind the digits when it would open a string (a value
 # `0` is one byte, `""` two); `,` before the digits, or `[1` would grow into `[100000...`.
 CLOSE_ORDER = b'"}]:,0123456789{[ntf-' + bytes(c for c in range(32, 127)
@@ -22,6 +24,9 @@ CLOSERS = (b'"', b"}", b"]")   # (a `"` here closes a string: one that opens is 
 LOOK_AHEAD_OPTIONS = 8     # choices walked on at a branch (enum values start apart early)
 MAX_WALK_BYTES = 1024      # a walk this long has found no close (e.g. regex `a+b` walks `aaa...`)
 MAX_PIECE_BYTES = 32       # longer tokens (runs of spaces) never spell a closing text
+# Bytes that open or end a JSON value, key or item: a token holding none of them stays inside
+# a string or number (or starts a literal), so it leaves the close about as long as it was.
+STRUCTURAL = frozenset(b'"{}[],:\\')
 
 
 @dataclasses.dataclass
@@ -29,6 +34,7 @@ class ClosePath:
     """A text that closes the grammar from the state it was found in."""
     text: bytes
     costs: list[int]        # costs[i]: fewest tokens that spell text[i:]; costs[len] = 0
+    exact: bool = False     # costs counted with the tokens the masks allow (Closer.exact)
 
     @property
     def tokens_needed(self) -> int:
@@ -38,7 +44,7 @@ class ClosePath:
         """The rest of the path once `piece` (a token's bytes) was written, if it lies on it."""
         if not self.text.startswith(piece):
             return None
-        return ClosePath(self.text[len(piece):], self.costs[len(piece):])
+        return ClosePath(self.text[len(piece):], self.costs[len(piece):], self.exact)
 
 
 class Closer:
@@ -51,6 +57,9 @@ class Closer:
             if b and i not in special and len(b) <= MAX_PIECE_BYTES:
                 self.by_bytes.setdefault(b, []).append(i)
         self.single = {b[0]: ids[0] for b, ids in self.by_bytes.items() if len(b) == 1}
+        plain = np.zeros(((len(token_bytes) + 31) // 32) * 32, bool)
+        plain[:len(token_bytes)] = [not STRUCTURAL.intersection(b) for b in token_bytes]
+        self.plain_bits = np.packbits(plain, bitorder="little").view(np.int32)
 
     # ---- finding a close ---------------------------------------------------------------------
     def find(self, matcher) -> ClosePath | None:
@@ -134,14 +143,43 @@ class Closer:
         an opened string can be closed by a second `"` right away."""
         return matcher.validate_tokens([quote, quote]) == 2
 
-    def _priced(self, text: bytes) -> ClosePath:
-        """costs[i]: the fewest vocabulary tokens spelling text[i:] (right to left)."""
+    def _priced(self, text: bytes, allowed=None) -> ClosePath:
+        """costs[i]: the fewest vocabulary tokens spelling text[i:] (right to left), counting
+        only the pieces `allowed(i, piece)` (else any the vocabulary has: a bound from below)."""
         n = len(text)
         costs = [0] * (n + 1)
         for i in range(n - 1, -1, -1):
-            costs[i] = min(1 + costs[i + k] for k in range(1, min(n - i, MAX_PIECE_BYTES) + 1)
-                           if text[i:i + k] in self.by_bytes)
-        return ClosePath(text, costs)
+            options = [1 + costs[i + k] for k in range(1, min(n - i, MAX_PIECE_BYTES) + 1)
+                       if text[i:i + k] in self.by_bytes
+                       and (allowed is None or allowed(i, text[i:i + k]))]
+            costs[i] = min(options) if options else 1 + costs[i + 1]
+        return ClosePath(text, costs, exact=allowed is not None)
+
+    def exact(self, matcher, path: ClosePath) -> ClosePath:
+        """The path priced with the tokens the grammar's masks allow along it, from the
+        matcher's state (left as it was). The masks can be stricter than what the matcher
+        consumes (a token spanning the end of an enum value and a `}`), so a price by bytes
+        alone may be short of what the answer can really be written in."""
+        from llguidance.numpy import fill_next_token_bitmask
+        ids = self.spell(path.text)
+        if path.exact or ids is None:
+            return path
+        masks = np.zeros((len(ids), (len(self.token_bytes) + 31) // 32), np.int32)
+        consumed = 0
+        try:
+            for i, token in enumerate(ids):
+                fill_next_token_bitmask(matcher, masks, i)
+                if not matcher.consume_token(token):
+                    return path
+                consumed += 1
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+        bits = masks.view(np.uint32)
+
+        def allowed(i, piece):
+            return any((bits[i, t >> 5] >> (t & 31)) & 1 for t in self.by_bytes[piece])
+        return self._priced(path.text, allowed)
 
     # ---- following it ------------------------------------------------------------------------
     def next_tokens(self, path: ClosePath, tokens_left: int) -> list[int]:

@@ -45,8 +45,11 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
 # Steering starts this many tokens before the budget is down to what the close costs: a token
-# sampled freely just before may open something (a key, a nested value) that costs more.
+# sampled freely just before may open something (a literal, a nested value) that costs more.
 CLOSE_MARGIN = 8
+# Before that, for as many tokens as the grammar's shortest answer, nothing new is opened: a
+# token holding a structural byte (Closer.STRUCTURAL) is allowed only on the path. One `,`
+# can open a whole new item (a second tool call) that costs about as much as a whole answer.
 
 
 def _mask_threads() -> int:
@@ -58,8 +61,9 @@ def _mask_threads() -> int:
 
 
 class _SeqMatcher:
-    def __init__(self, matcher, budget: int):
+    def __init__(self, matcher, budget: int, shortest: int):
         self.matcher = matcher
+        self.shortest = shortest    # tokens of the grammar's shortest answer (the guard's width)
         self.consumed = 0           # output tokens fed to the matcher
         self.budget = budget        # output tokens the sequence may have in all
         self.close: ClosePath | None = None   # from the matcher's state; None: find it again
@@ -158,8 +162,10 @@ class StructuredOutputManager:
         """Tokens of the closing path from the grammar's start (None: no close found)."""
         grammar = grammar_for(params.structured_outputs)
         if grammar not in self._shortest:
-            path = self._closer.find(matcher.deep_copy())
-            self._shortest[grammar] = None if path is None else path.tokens_needed
+            matcher = matcher.deep_copy()
+            path = self._closer.find(matcher)
+            self._shortest[grammar] = (None if path is None
+                                       else self._closer.exact(matcher, path).tokens_needed)
             if len(self._shortest) > MAX_CACHED_GRAMMARS:
                 del self._shortest[next(iter(self._shortest))]
         return self._shortest[grammar]
@@ -186,7 +192,8 @@ class StructuredOutputManager:
         if seq.params.structured_outputs is not None:
             budget = self._budget(seq.params, seq.num_prompt_tokens)
             self._seqs[seq.seq_id] = _SeqMatcher(self._compile(seq.params).deep_copy(),
-                                                 budget if budget is not None else 1 << 30)
+                                                 budget if budget is not None else 1 << 30,
+                                                 self.shortest_answer(seq.params) or 0)
             self.advance(seq)     # (a sequence given with output tokens already)
 
     def remove(self, seq_id: int) -> None:
@@ -284,7 +291,8 @@ class StructuredOutputManager:
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
         for state, row, i in steered:
-            self._steer(bitmask[i], self._tokens_left(state, row), self._close_of(state))
+            state.close = self._steer(bitmask[i], self._tokens_left(state, row),
+                                      self._close_of(state), state.matcher, state.shortest)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_fills += 1
         return bitmask
@@ -307,9 +315,11 @@ class StructuredOutputManager:
             fill(matcher, bitmask, i)
             tokens_left = self._tokens_left(state, rows[i])
             if j == 0:
-                self._steer(bitmask[i], tokens_left, self._close_of(state))
+                state.close = self._steer(bitmask[i], tokens_left, self._close_of(state), matcher,
+                                          state.shortest)
             else:
-                self._steer(bitmask[i], tokens_left, self._closer.find(matcher))
+                self._steer(bitmask[i], tokens_left, self._closer.find(matcher), matcher,
+                            state.shortest)
         if consumed:
             matcher.rollback(consumed)
 
@@ -326,11 +336,23 @@ class StructuredOutputManager:
                 state.no_close_at = state.consumed
         return state.close
 
-    def _steer(self, row: np.ndarray, tokens_left: int, close: ClosePath | None) -> None:
+    def _steer(self, row: np.ndarray, tokens_left: int, close: ClosePath | None,
+               matcher, guard: int) -> ClosePath | None:
         """Within CLOSE_MARGIN of the close's cost, the row keeps only the tokens on the path
-        that leave enough to finish it (EOS once it is closed), among those it allowed."""
-        if close is None or tokens_left > close.tokens_needed + CLOSE_MARGIN:
-            return
+        that leave enough to finish it (EOS once it is closed), among those it allowed; in the
+        `guard` tokens before, tokens on the path or holding no structural byte. The path is
+        priced by the masks along it (Closer.exact) from the first guarded row on.
+        -> the path (so priced)."""
+        if close is None or tokens_left > close.tokens_needed + CLOSE_MARGIN + guard:
+            return close
+        close = self._closer.exact(matcher, close)
+        if tokens_left > close.tokens_needed + CLOSE_MARGIN:
+            on_path = self._bits(self._closer.next_tokens(close, tokens_left)) if close.text \
+                else self._bits(self.eos_token_ids)
+            guarded = row & (on_path | self._closer.plain_bits)
+            if guarded.any():
+                row[:] = guarded
+            return close
         self.num_closing_rows += 1
         if close.tokens_needed > tokens_left:
             self.num_close_overshoots += 1
@@ -340,6 +362,7 @@ class StructuredOutputManager:
             keep = self._bits(self._closer.spell(close.text[:1]) or []) & row
         if keep.any():                        # (never an empty row)
             row[:] = keep
+        return close
 
     def _bits(self, ids) -> np.ndarray:
         bits = np.zeros(self.words, np.uint32)

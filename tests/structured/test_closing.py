@@ -14,6 +14,7 @@ import pytest
 from jaxbatch import SamplingParams, StructuredOutputsParams
 from jaxbatch.core.plan import SamplingRow
 from jaxbatch.core.request import Sequence
+from jaxbatch.entrypoints.openai import structured as S
 from jaxbatch.structured import StructuredOutputManager
 from jaxbatch.structured.grammar import grammar_for
 
@@ -22,13 +23,13 @@ PERSON = {"type": "object",
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
-# tool_choice "required"'s shape (entrypoints/openai/structured.py) for one function
-TOOL_CALLS = {"type": "array", "minItems": 1, "items": {"anyOf": [{
-    "type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-    "properties": {"name": {"type": "string", "enum": ["get_weather"]},
-                   "parameters": {"type": "object", "required": ["city", "unit"],
-                                  "properties": {"city": {"type": "string"},
-                                                 "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]}}
+# tool_choice "required"'s shape for one function (an enum value next to its closing braces:
+# there the masks refuse tokens the matcher would take, such as `"}`)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 12},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+TOOL_CALLS = S.tool_plan([WEATHER], "required", None, None)[1].json
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,9 @@ def _row(seq) -> SamplingRow:
                        seq.num_prompt_tokens, [], [], None)
 
 
-def _random_answer(manager, so, budget: int, rng, seq_id: int) -> tuple[bytes, int]:
-    """Draws each token uniformly among those the sequence's mask allows, to the budget or
-    EOS; -> (the answer's bytes, tokens)."""
+def _answer(manager, so, budget: int, pick, seq_id: int) -> tuple[bytes, int]:
+    """Takes each token `pick(allowed ids)` chooses among those the sequence's mask allows,
+    to the budget or EOS; -> (the answer's bytes, tokens)."""
     params = SamplingParams(max_tokens=budget, structured_outputs=so)
     seq = Sequence(seq_id, f"r{seq_id}", 0, [1, 2, 3], params, 0, 0.0, 0, 0)
     manager.add(seq)
@@ -103,7 +104,7 @@ def _random_answer(manager, so, budget: int, rng, seq_id: int) -> tuple[bytes, i
         while seq.num_output_tokens < budget:
             bits = manager.fill_bitmask([_row(seq)])[0].view(np.uint8)
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:manager.vocab_size])
-            token = int(rng.choice(allowed))
+            token = int(pick(allowed))
             if token in eos:
                 break
             seq.output_token_ids.append(token)
@@ -114,19 +115,26 @@ def _random_answer(manager, so, budget: int, rng, seq_id: int) -> tuple[bytes, i
 
 
 @pytest.mark.parametrize("schema", [None, PERSON, TOOL_CALLS])
-def test_random_tokens_close_at_every_budget(manager, schema):
+@pytest.mark.parametrize("chooser", ["random", "shortest", "longest"])
+def test_any_tokens_close_at_every_budget(manager, schema, chooser):
+    """Tokens drawn at random, or always the fewest bytes (one character at a time, so the
+    close costs the most tokens), or always the most."""
     so = (StructuredOutputsParams(json_object=True) if schema is None
           else StructuredOutputsParams(json=schema))
     shortest = manager.shortest_answer(SamplingParams(structured_outputs=so))
     rng = np.random.default_rng(0)
+    size = np.vectorize(lambda t: len(manager._closer.token_bytes[t]))
+    pick = {"random": rng.choice,
+            "shortest": lambda ids: ids[np.argmin(size(ids))],
+            "longest": lambda ids: ids[np.argmax(size(ids))]}[chooser]
     before = manager.stats()
-    for budget in range(shortest, shortest + 40):
-        text, n = _random_answer(manager, so, budget, rng, 1000 + budget)
+    for budget in range(shortest, shortest + 30):
+        text, n = _answer(manager, so, budget, pick, 1000 + budget)
         value = json.loads(text)         # valid JSON (UTF-8) whatever was drawn
         if schema is not None:
             jsonschema.validate(value, schema)
         assert n <= budget
     after = manager.stats()
     assert after["structured_num_closing_rows"] > before["structured_num_closing_rows"]
-    assert after["structured_num_close_overshoots"] == 0
-    assert after["structured_num_rejected_tokens"] == 0
+    for counter in ("structured_num_close_overshoots", "structured_num_rejected_tokens"):
+        assert after[counter] == before[counter], counter

@@ -91,6 +91,11 @@ def test_every_budget_closes_greedy_and_sampled(llm):
                                  f"{c.text!r} ({c.finish_reason})") from e
         steered += c.finish_reason == "length"
     assert steered > 0          # some answers were closed at their very last token
+    # batch-invariant: a steered answer alone is the same tokens as among the sweep's
+    k = next(i for i, (name, t, b, _) in enumerate(checks)
+             if name == "json_object" and t == 1.0 and outs[i].outputs[0].finish_reason == "length")
+    alone = llm.generate([prompts[k]], params[k], use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == outs[k].outputs[0].token_ids
     stats = engine.stats()
     assert stats["structured_num_close_overshoots"] == 0
     assert stats["structured_num_rejected_tokens"] == 0
