@@ -24,7 +24,8 @@ rejected proposals never reach the matcher.
 Closing within the budget (closing.py): each sequence keeps a closing path from its matcher's
 state (kept while its tokens lie on it or leave it intact, found again otherwise). Once the
 tokens left are within CLOSE_MARGIN of what the path costs, its row allows only tokens on the
-path that leave enough tokens to finish it, so the answer closes by max_tokens. The masks stay
+path that leave enough tokens to finish it, so the answer closes by max_tokens; in a guard
+window before that, no structural token off the path (nothing new is opened). The masks stay
 data of the sequence alone: batch-invariant, nothing compiled.
 """
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _prompt(llm, text, tools=None):
 
 
 def _cases(llm):
-    """(name, prompt, constraint, check(text) -> None), each swept greedy and sampled."""
+    """(name, prompt, constraint, check(text) -> None, temperatures swept)."""
     named, named_so = S.tool_plan([WEATHER], {"type": "function",
                                               "function": {"name": "get_weather"}}, None, None)
     required, required_so = S.tool_plan([WEATHER], "required", None, None)
@@ -58,22 +58,24 @@ def _cases(llm):
     return [
         ("json_object", _prompt(llm, "Describe a cat as a JSON object."),
          StructuredOutputsParams(json_object=True),
-         lambda text: json.loads(text).keys()),
+         lambda text: json.loads(text).keys(), (0.0, 1.0)),
         ("json_schema", _prompt(llm, "Describe a cat as JSON: name, age, colors."),
          StructuredOutputsParams(json=CAT),
-         lambda text: jsonschema.validate(json.loads(text), CAT)),
-        ("named tool", ask_weather, named_so, calls(named)),
-        ("required tool", ask_weather, required_so, calls(required)),
+         lambda text: jsonschema.validate(json.loads(text), CAT), (0.0, 1.0)),
+        # a tool call: the required array (a comma may open a second call) greedy, a named
+        # function's arguments sampled
+        ("required tool", ask_weather, required_so, calls(required), (0.0,)),
+        ("named tool", ask_weather, named_so, calls(named), (1.0,)),
     ]
 
 
 def test_every_budget_closes_greedy_and_sampled(llm):
     engine = llm.llm_engine
     prompts, params, checks = [], [], []
-    for name, prompt, so, check in _cases(llm):
+    for name, prompt, so, check, temperatures in _cases(llm):
         shortest = engine.structured.shortest_answer(SamplingParams(structured_outputs=so))
         assert 1 <= shortest <= 24, name
-        for temperature in (0.0, 1.0):
+        for temperature in temperatures:
             for budget in range(shortest, MAX_BUDGET + 1):
                 prompts.append(prompt)
                 params.append(SamplingParams(temperature=temperature, seed=budget,
