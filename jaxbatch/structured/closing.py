@@ -7,7 +7,8 @@ schemas with their enums, bounds and required keys; regexes; Lark) is covered by
 code: at each point take what the grammar forces, else the first byte of CLOSE_ORDER it
 allows (closers before openers before literals). That walk is a short answer, not always the
 shortest; its length is a safe bound, since following it does close. Its cost in tokens is
-the fewest vocabulary tokens that spell it (any byte split is one llguidance accepts).
+the fewest vocabulary tokens that spell it: first by bytes alone, then (`exact`, once steering
+nears) with only the tokens the grammar's masks allow along it.
 
 Host side, no JAX."""
 from __future__ import annotations
