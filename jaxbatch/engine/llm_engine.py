@@ -92,7 +92,8 @@ class LLMEngine(EngineBase):
         self.kv_events = setup.kv_events(config, self.config, self.scheduler, self.lora)
         # Structured outputs: the grammar matchers' one seam into the step (jaxbatch/structured/).
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  eos, reasoning=self.reasoning)
+                                                  eos, self.config.max_model_len,
+                                                  reasoning=self.reasoning)
         self.pooler, keys_added = pooling.make_pooler(config, loaded, runner)  # or None
         if speculative is not None and speculative.draft_sampling == "sampled":
             # Decode calls that verify sampled drafts: at most max_batch_size sequences with
@@ -185,7 +186,7 @@ class LLMEngine(EngineBase):
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer")
-        self.structured.check(params)      # structured outputs: the grammar compiles
+        self.structured.check(params, len(ids))   # structured outputs: compiles, and fits
         return text, ids, params
 
     def _lora_weights(self, lora_request):

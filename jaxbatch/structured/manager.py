@@ -2,8 +2,10 @@
 with the tokens the scheduler appends, and the packed bitmask of a call's sampling rows.
 
 Lifecycle, as the engine drives it:
-  check(params)          in validate_request: compiles (cached by grammar text), ValueError with
-                         llguidance's message; changes nothing
+  check(params, n)       in validate_request: compiles (cached by grammar text), ValueError with
+                         llguidance's message, or naming max_tokens when the shortest answer
+                         the grammar accepts needs more tokens than an n-token prompt leaves;
+                         changes nothing
   add(seq)               after the request's sequences exist: a copy of the compiled matcher each
   advance(seq)           after Scheduler.update: feeds the output tokens not yet consumed
   fill_bitmask(rows)     while the step's forwards run, per sampled part: [rows, ceil(V/32)]
@@ -24,6 +26,13 @@ the matchers and fills the masks (LLMEngine._dispatch), so only the sampling wai
 verification row's mask comes from the matcher advanced over the proposals before it and rolled
 back at once; the accepted ones are consumed when the scheduler appends them (`advance`), so
 rejected proposals never reach the matcher.
+
+Closing within the budget (closing.py): each sequence keeps a closing path from its matcher's
+state (kept while its tokens lie on it or leave it intact, found again otherwise). Once the
+tokens left are within closing.CLOSE_MARGIN of what the path costs, its row allows only tokens on the
+path that leave enough tokens to finish it, so the answer closes by max_tokens; in a guard
+window before that, no structural token off the path (nothing new is opened). The masks stay
+data of the sequence alone: batch-invariant, nothing compiled.
 """
 from __future__ import annotations
 
@@ -37,11 +46,15 @@ import numpy as np
 from jaxbatch.core.plan import PENDING_TOKEN, SamplingRow
 from jaxbatch.reasoning.parser import Phase
 from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.structured.closing import ClosePath, Closer
 from jaxbatch.structured.grammar import grammar_for
 
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+# Before that, for as many tokens as the grammar's shortest answer, nothing new is opened: a
+# token holding a structural byte (Closer.STRUCTURAL) is allowed only on the path. One `,`
+# can open a whole new item (a second tool call) that costs about as much as a whole answer.
 
 
 def _mask_threads() -> int:
@@ -53,9 +66,13 @@ def _mask_threads() -> int:
 
 
 class _SeqMatcher:
-    def __init__(self, matcher, phase=None):
+    def __init__(self, matcher, budget: int, shortest: int, phase=None):
         self.matcher = matcher
+        self.shortest = shortest    # tokens of the grammar's shortest answer (the guard's width)
         self.consumed = 0           # output tokens read (fed to the matcher once answering)
+        self.budget = budget        # output tokens the sequence may have in all, thought included
+        self.close: ClosePath | None = None   # from the matcher's state; None: find it again
+        self.no_close_at = -1       # `consumed` where the last search found none
         self.phase = phase          # reasoning: the output's phase (None: no reasoning parser)
 
     @property
@@ -65,15 +82,19 @@ class _SeqMatcher:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 reasoning=None):
+                 max_model_len: int | None = None, reasoning=None):
         """`vocab_size`: the logits' width (the mask's; ids the tokenizer lacks are banned).
+        `max_model_len`: with max_tokens, what bounds a sequence's output (its budget).
         `reasoning`: the engine's ReasoningParser (jaxbatch/reasoning/), or None: grammars
         then apply from the first output token."""
         self.reasoning = reasoning
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
         self._tokenizer = None      # llguidance's, built on the first grammar (0.4-1.2 s)
+        self._closer: Closer | None = None    # (with the tokenizer)
+        self._shortest: dict[str, int | None] = {}   # grammar -> tokens of its shortest close
         self._executor = None
         self._building = threading.Lock()
         self._compiled: collections.OrderedDict[str, object] = collections.OrderedDict()
@@ -83,6 +104,9 @@ class StructuredOutputManager:
         self.num_mask_fills = 0      # model calls that carried a bitmask
         self.num_overlapped_fills = 0  # of which filled while their forward ran (engine's count)
         self.num_rejected_tokens = 0  # tokens a matcher refused (a bug if ever > 0)
+        self.num_closing_rows = 0    # rows steered to close within the budget
+        self.num_close_overshoots = 0  # of which the close no longer fit (a token jumped past
+                                       # CLOSE_MARGIN; the answer is cut: a bug if ever > 0)
 
     @property
     def words(self) -> int:
@@ -103,17 +127,61 @@ class StructuredOutputManager:
                 import llguidance
                 import llguidance.hf
                 start = time.perf_counter()
-                self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                ids = range(tokenizer.vocab_size)
+                self._closer = Closer([tokenizer.decode_bytes([i]) for i in ids],
+                                      {i for i in ids if tokenizer.is_special_token(i)})
+                self._tokenizer = tokenizer
                 self._executor = llguidance.LLExecutor(num_threads=_mask_threads())
                 self.compile_seconds += time.perf_counter() - start
         return self._tokenizer
 
     # ---- requests --------------------------------------------------------------------------
-    def check(self, params: SamplingParams) -> None:
-        """ValueError (llguidance's message) if the request's grammar does not compile."""
-        if params.structured_outputs is not None:
-            self._compile(params)
+    def check(self, params: SamplingParams, num_prompt_tokens: int | None = None) -> None:
+        """ValueError if the request's grammar does not compile (llguidance's message), or if
+        its shortest answer needs more tokens than max_tokens (and max_model_len) allow."""
+        if params.structured_outputs is None:
+            return
+        matcher = self._compile(params)
+        budget = self._budget(params, num_prompt_tokens)
+        shortest = self._shortest_answer(params, matcher)
+        if budget is not None and shortest is not None and budget < shortest:
+            if params.max_tokens is not None and params.max_tokens < shortest:
+                raise ValueError(
+                    f"SamplingParams.max_tokens={params.max_tokens} is too small for the "
+                    f"structured output: its shortest valid answer takes {shortest} tokens")
+            raise ValueError(
+                f"SamplingParams.max_tokens: a prompt of {num_prompt_tokens} tokens leaves "
+                f"{budget} of max_model_len={self.max_model_len}, fewer than the {shortest} "
+                f"tokens the structured output's shortest valid answer takes")
+
+    def _budget(self, params: SamplingParams, num_prompt_tokens: int | None) -> int | None:
+        """Output tokens a sequence may have: max_tokens, and what max_model_len leaves."""
+        limits = [params.max_tokens] if params.max_tokens is not None else []
+        if self.max_model_len is not None and num_prompt_tokens is not None:
+            limits.append(self.max_model_len - num_prompt_tokens)
+        return min(limits) if limits else None
+
+    def shortest_answer(self, params: SamplingParams) -> int | None:
+        """Tokens the shortest answer the request's grammar accepts takes, as far as the
+        closing walk finds one (None: no grammar, or no close found): the least max_tokens
+        `check` lets through."""
+        if params.structured_outputs is None:
+            return None
+        return self._shortest_answer(params, self._compile(params))
+
+    def _shortest_answer(self, params: SamplingParams, matcher) -> int | None:
+        """Tokens of the closing path from the grammar's start (None: no close found)."""
+        grammar = grammar_for(params.structured_outputs)
+        if grammar not in self._shortest:
+            matcher = matcher.deep_copy()
+            path = self._closer.find(matcher)
+            self._shortest[grammar] = (None if path is None
+                                       else self._closer.exact(matcher, path).tokens_needed)
+            if len(self._shortest) > MAX_CACHED_GRAMMARS:
+                del self._shortest[next(iter(self._shortest))]
+        return self._shortest[grammar]
 
     def _compile(self, params: SamplingParams):
         from llguidance import LLMatcher
@@ -138,7 +206,10 @@ class StructuredOutputManager:
             phase = None
             if self.reasoning is not None:
                 phase = self.reasoning.first_phase(seq.prompt_token_ids, self._decode)
-            self._seqs[seq.seq_id] = _SeqMatcher(self._compile(seq.params).deep_copy(), phase)
+            budget = self._budget(seq.params, seq.num_prompt_tokens)
+            self._seqs[seq.seq_id] = _SeqMatcher(self._compile(seq.params).deep_copy(),
+                                                 budget if budget is not None else 1 << 30,
+                                                 self.shortest_answer(seq.params) or 0, phase)
             self.advance(seq)     # (a sequence given with output tokens already)
 
     def _decode(self, ids: list[int]) -> str:
@@ -161,7 +232,9 @@ class StructuredOutputManager:
                 "structured_num_mask_fills": self.num_mask_fills,
                 "structured_num_overlapped_fills": self.num_overlapped_fills,
                 "structured_num_sequences": self.num_sequences,
-                "structured_num_rejected_tokens": self.num_rejected_tokens}
+                "structured_num_rejected_tokens": self.num_rejected_tokens,
+                "structured_num_closing_rows": self.num_closing_rows,
+                "structured_num_close_overshoots": self.num_close_overshoots}
 
     # ---- the step --------------------------------------------------------------------------
     def advance(self, seq) -> None:
@@ -183,14 +256,29 @@ class StructuredOutputManager:
                 self.num_rejected_tokens += 1
                 logger.error("sequence %d: the grammar refused token %d: %s", seq.seq_id, token,
                              state.matcher.get_error())
+            self._follow_close(state, token)
         state.consumed = end
         self.mask_seconds += time.perf_counter() - start
+
+    def _follow_close(self, state: _SeqMatcher, token: int) -> None:
+        """The closing path after `token`, one token at a time (so the same tokens give the
+        same paths however the steps group them): the rest of it if the token lay on it,
+        the same if it still closes, else found again when next needed."""
+        if state.close is None:
+            return
+        piece = self._closer.token_bytes[token] if token < len(self._closer.token_bytes) else b""
+        rest = state.close.after(piece) if piece else None
+        if rest is None and not self._closer.keeps(state.matcher, state.close):
+            state.close = None
+        elif rest is not None:
+            state.close = rest
 
     def rollback(self, seq_id: int, num_tokens: int) -> None:
         state = self._seqs.get(seq_id)
         if state is not None and num_tokens:
             state.matcher.rollback(num_tokens)
             state.consumed -= num_tokens
+            state.close = None
 
     def fill_bitmask(self, rows: list[SamplingRow | None],
                      drafts: dict[int, list[int]] | None = None) -> np.ndarray | None:
@@ -207,30 +295,35 @@ class StructuredOutputManager:
         from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
         start = time.perf_counter()
         bitmask = np.full((len(rows), self.words), -1, np.int32)
-        live = []
+        live, steered = [], []
         for seq_id, items in by_seq.items():
-            matcher = self._seqs[seq_id].matcher
+            state = self._seqs[seq_id]
+            matcher = state.matcher
             if matcher.is_error():
                 for _, i in items:        # only EOS: it ends rather than wander off its grammar
                     bitmask[i] = 0
                     for eos in self.eos_token_ids:
                         _allow(bitmask, i, eos)
-            elif not self._seqs[seq_id].answering:
-                self._fill_gated_rows(self._seqs[seq_id], sorted(items),
-                                      (drafts or {}).get(seq_id, []), bitmask,
-                                      fill_next_token_bitmask)
+            elif not state.answering:
+                self._fill_gated_rows(state, sorted(items), rows, (drafts or {}).get(seq_id, []),
+                                      bitmask, fill_next_token_bitmask)
             elif len(items) == 1:
                 live.append((matcher, items[0][1]))
+                steered.append((state, rows[items[0][1]], items[0][1]))
             else:
-                self._fill_verification_rows(matcher, sorted(items), (drafts or {}).get(seq_id, []),
+                self._fill_verification_rows(state, sorted(items), rows,
+                                             (drafts or {}).get(seq_id, []),
                                              bitmask, fill_next_token_bitmask)
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
+        for state, row, i in steered:
+            state.close = self._steer(bitmask[i], self._tokens_left(state, row),
+                                      self._close_of(state), state.matcher, state.shortest)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_fills += 1
         return bitmask
 
-    def _fill_gated_rows(self, state, items, draft, bitmask, fill) -> None:
+    def _fill_gated_rows(self, state, items, rows, draft, bitmask, fill) -> None:
         """Rows of a sequence still before its answer: row j samples after draft[:j]. Rows in
         the thought stay all ones; a "maybe" row gets the grammar's mask plus the opening tag;
         rows past the draft's end of thought get the grammar after the answer's drafts."""
@@ -246,15 +339,16 @@ class StructuredOutputManager:
                 fill(state.matcher, bitmask, i)
                 _allow(bitmask, i, self.reasoning.start_id)
         if answer_from is not None and answer_from < len(items):
-            self._fill_verification_rows(state.matcher, items[answer_from:], draft[answer_from:],
+            self._fill_verification_rows(state, items[answer_from:], rows, draft[answer_from:],
                                          bitmask, fill)
 
-    @staticmethod
-    def _fill_verification_rows(matcher, items, draft, bitmask, fill) -> None:
+    def _fill_verification_rows(self, state, items, rows, draft, bitmask, fill) -> None:
         """Row j (position base + j) samples after draft[:j]: the matcher consumes the drafts
         tentatively and rolls them back. Rows past the first proposal the grammar refuses keep
         all ones: the row before them samples under the grammar, so that proposal is rejected
-        there and they are discarded."""
+        there and they are discarded. Each row is steered to close as a plain decode there
+        would be (its closing path found from the drafted state)."""
+        matcher = state.matcher
         base, valid, consumed = items[0][0], matcher.validate_tokens(draft), 0
         for position, i in items:
             j = position - base
@@ -264,12 +358,42 @@ class StructuredOutputManager:
                 matcher.consume_token(draft[consumed])
                 consumed += 1
             fill(matcher, bitmask, i)
+            tokens_left = self._tokens_left(state, rows[i])
+            if j == 0:
+                state.close = self._steer(bitmask[i], tokens_left, self._close_of(state), matcher,
+                                          state.shortest)
+            else:
+                self._steer(bitmask[i], tokens_left, self._closer.find(matcher), matcher,
+                            state.shortest)
         if consumed:
             matcher.rollback(consumed)
 
     def is_answering(self, seq_id: int) -> bool:
         """Whether the sequence's grammar applies now (always, without a reasoning parser)."""
         return self._seqs[seq_id].answering
+
+    # ---- closing within the budget ---------------------------------------------------------
+    @staticmethod
+    def _tokens_left(state: _SeqMatcher, row: SamplingRow) -> int:
+        """Tokens the sequence may still write, the one this row samples included."""
+        return state.budget - (row.position - row.num_prompt_tokens)
+
+    def _close_of(self, state: _SeqMatcher) -> ClosePath | None:
+        if state.close is None and state.no_close_at != state.consumed:
+            state.close = self._closer.find(state.matcher)
+            if state.close is None:
+                state.no_close_at = state.consumed
+        return state.close
+
+    def _steer(self, row: np.ndarray, tokens_left: int, close: ClosePath | None,
+               matcher, guard: int) -> ClosePath | None:
+        """`Closer.steer`, counted in the stats."""
+        close, closing, overshoot = self._closer.steer(row, tokens_left, close, matcher, guard,
+                                                       self.eos_token_ids)
+        self.num_closing_rows += closing
+        self.num_close_overshoots += overshoot
+        return close
+
 
     def is_allowed(self, seq_id: int, token_id: int) -> bool:
         """Whether the sequence's matcher allows `token_id` next (tests, debugging)."""

@@ -167,9 +167,8 @@ def test_regex_choice_grammar_json_object(llm):
         outs = llm.generate([prompt] * len(cases), params, use_tqdm=False)
         for (so, ok), out in zip(cases, outs):
             c = out.outputs[0]
-            if so.json_object and c.finish_reason == "length":
-                continue     # an unbounded object may run out of tokens; it stays a JSON prefix
-            assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
+            # an unbounded object may run out of tokens: it is closed within them
+            assert (c.finish_reason == "stop" or so.json_object) and ok(c.text), (so, c.text)
             replay_allowed(llm, so, c.token_ids, eos)
 
 

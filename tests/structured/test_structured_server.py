@@ -174,3 +174,26 @@ def test_structured_metrics(server):
     assert metric(server.base, "jaxbatch:structured_compile_seconds") > 0
     assert metric(server.base, "jaxbatch:structured_mask_seconds") > 0
     assert metric(server.base, "jaxbatch:structured_mask_fills") > 0
+
+
+def test_answers_close_within_max_tokens(server):
+    """A max_tokens below the shortest answer is a 400 naming max_tokens and saying how many
+    tokens it takes; at exactly that many the answer (here a named tool's arguments, and a
+    JSON object) still parses and validates."""
+    import re
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = post(server, {"messages": ASK, "max_tokens": 2, "temperature": 1.0, "seed": 3, **named})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and "too small" in error["message"]
+    shortest = int(re.search(r"takes (\d+) tokens", error["message"]).group(1))
+    r = post(server, {"messages": ASK, "max_tokens": shortest, "temperature": 1.0, "seed": 3,
+                      **named})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]),
+                        WEATHER_PARAMS)
+    r = post(server, {"messages": [{"role": "user", "content": "List many numbers as JSON."}],
+                      "max_tokens": 6, "temperature": 0, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)

@@ -140,3 +140,18 @@ def test_tool_stream_deltas():
     ts = S.ToolStream(auto)
     assert ts.delta("plain answer", True, "stop") == ({"content": "plain answer"}, "stop")
 
+
+
+def test_required_calls_closed_at_length_are_read():
+    """The engine closes a constrained answer within max_tokens, so a "required" answer that
+    ends by length still holds its calls (finish_reason stays "length"); auto's free text
+    cut by length is content."""
+    required, _ = S.tool_plan([WEATHER], "required", None, None)
+    text = '[{"name":"get_weather","parameters":{"city":""}}]'
+    fields, finish = S.chat_message(text, "length", required)
+    assert finish == "length" and fields["tool_calls"][0]["function"]["arguments"] == '{"city":""}'
+    fields, finish = S.ToolStream(required).delta(text, True, "length")
+    assert finish == "length" and fields["tool_calls"][0]["function"]["name"] == "get_weather"
+    auto, _ = S.tool_plan([WEATHER], "auto", None, "hermes")
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+    assert S.chat_message(cut, "length", auto) == ({"content": cut}, "length")

@@ -196,12 +196,20 @@ def apply_constraint(req, params, tool_parser: str | None, chat: bool
     return plan, field
 
 
+def _may_hold_calls(plan: ToolPlan, finish_reason: str | None) -> bool:
+    """A finished output is read for calls when it stopped, or when the grammar made it (named
+    and required): the engine closes a constrained answer within max_tokens, so a "length"
+    finish parses too."""
+    return finish_reason == "stop" or plan.mode == "named" \
+        or (plan.mode == "required" and finish_reason == "length")
+
+
 def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None
                  ) -> tuple[dict, str | None]:
     """(ChatMessageOut fields, finish_reason) of a finished choice."""
     if plan is None:
         return {"content": text}, finish_reason
-    parsed = plan.calls_from_text(text) if finish_reason == "stop" or plan.mode == "named" else None
+    parsed = plan.calls_from_text(text) if _may_hold_calls(plan, finish_reason) else None
     if parsed is None:
         return {"content": text}, finish_reason
     content, calls = parsed
@@ -242,9 +250,9 @@ class ToolStream:
                 return None, None
             new, self.sent = text[self.sent:safe], safe
             return {"content": new}, None
-        parsed = plan.calls_from_text(text) if finish_reason == "stop" else None
+        parsed = plan.calls_from_text(text) if _may_hold_calls(plan, finish_reason) else None
         if parsed is None:
             new, self.sent = text[self.sent:], len(text)
             return {"content": new or None}, finish_reason
         calls = [{"index": k, **call} for k, call in enumerate(parsed[1])]
-        return {"tool_calls": calls}, "tool_calls"
+        return {"tool_calls": calls}, ("tool_calls" if finish_reason == "stop" else finish_reason)
