@@ -71,6 +71,11 @@ def instrument(flags, on_load) -> None:
     _INSTRUMENTS.append((tuple(flags), on_load))
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports `flag` (/proc/cpuinfo's name, e.g. "amx_bf16")."""
+    return flag in _cpu_flags()
+
+
 def build_flags() -> tuple[str, ...]:
     """The compiler flags of this process's libraries: FLAGS, and an instrumented process's
     own (`instrument`)."""

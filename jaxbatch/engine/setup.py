@@ -160,7 +160,7 @@ def make_runner(config: EngineConfig, loaded: LoadedModel, sched: SchedulerConfi
 def kernel_options(config: EngineConfig) -> KernelOptions:
     rt = config.runtime
     return KernelOptions(cpu_kernels=rt.cpu_kernels, kv_prefetch=rt.kv_prefetch,
-                         weight_layout=rt.weight_layout,
+                         weight_layout=rt.weight_layout, cpu_gemm=rt.cpu_gemm,
                          int8_activations=config.model.quantization == "w8a8")
 
 

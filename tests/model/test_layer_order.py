@@ -17,7 +17,7 @@ from jaxbatch.model.lora_delta import NO_LORA
 from jaxbatch.model.rope import inverse_frequencies, rope_tables
 from jaxbatch.worker import kv_cache
 from jaxbatch.worker.attention import get_backend
-from jaxbatch.worker.kernels import choose
+from jaxbatch.worker.kernels import KernelOptions, choose
 from jaxbatch.worker.weight_forms import prepare
 from tiny_models import make_hf_model, ours_from_hf
 
@@ -44,7 +44,8 @@ def test_a_reordered_layer_computes_the_same_on_the_cpu_kernels_as_on_jnp():
     params = jax.tree.map(lambda a: np.asarray(a, jnp.bfloat16), params)
     from jaxbatch.model.decoder import stack_layers
     params = stack_layers(params, matrices_per_layer=True)
-    seam = choose(model_cfg=cfg, dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16)
+    seam = choose(model_cfg=cfg, dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16,
+                  options=KernelOptions(cpu_gemm="packed"))
     if not seam.weight_form.packed:
         pytest.skip(seam.describe()["matmul"])
     n, block_size, pages = 40, 4, 12                      # 40 rows: the silu epilogue runs too
