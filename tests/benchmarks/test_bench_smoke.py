@@ -244,7 +244,8 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
     seen = []
     monkeypatch.setattr(roofline, "copy_bandwidth", lambda: 1e10)
     monkeypatch.setattr(roofline, "read_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(roofline, "gemm_peak", lambda dtype: seen.append(str(dtype)) or 1e11)
+    monkeypatch.setattr(roofline, "gemm_peak",
+                        lambda dtype, quantization=None: seen.append(str(dtype)) or 1e11)
     monkeypatch.setattr(roofline, "decode_rows", lambda *a: {
         "rows": 4, "context": 64, "step_ms": 1.0, "weight_mb": 1.0, "kv_mb": 1.0,
         "bandwidth_floor_ms": 1.0, "compute_floor_ms": 1.0, "bound": "compute",
