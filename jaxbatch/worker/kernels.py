@@ -108,7 +108,7 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
 
     heads = (pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
              model_cfg.attn_soft_cap)
-    amx_dots = on_cpu and _xla_dots_for_bf16(dtype, options)
+    amx_dots = on_cpu and options.cpu_kernels != "off" and _xla_dots_for_bf16(dtype, options)
     if amx_dots:
         reasons["matmul"] = f"XLA dots ({amx_dots})"
         packed = False

@@ -28,7 +28,9 @@ def tiny_engine_in(dtype, name: str = "llama_untied_gqa2", **kwargs) -> LLMEngin
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
     loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
     kwargs = {"max_num_seqs": 4, "max_model_len": 128, "prefill_chunk_size": 32,
-              "warmup": False, "compilation_cache": False, **kwargs}
+              "warmup": False, "compilation_cache": False,
+              "cpu_gemm": "packed",    # the kernels' own GEMM, also where the CPU has AMX
+              **kwargs}
     return LLMEngine(loaded=loaded, **kwargs)
 
 

@@ -169,7 +169,7 @@ def test_a_missing_cpu_flag_is_said_once(monkeypatch, caplog):
     # a target name of this test's own: nothing registered, nothing cached for the real one
     for target in ("test_missing_flag_a", "test_missing_flag_b"):
         reason = availability.register(SOURCE, "JaxbatchFirstArgmax", target)
-        assert reason == "this CPU lacks avx512_bf16, avx512vl"
+        assert reason == "this CPU lacks avx512_bf16, avx512_vnni, avx512vl"
     assert len(_warnings(caplog)) == 1 and "avx512_bf16" in _warnings(caplog)[0]
 
 

@@ -505,4 +505,7 @@ def test_case(outcomes, name):
 
 
 if __name__ == "__main__":
+    import jax
+    # A handler's error then reaches the call that dispatched it, not a later read of the result.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     _child(sys.argv[1:])
