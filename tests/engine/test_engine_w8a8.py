@@ -68,3 +68,9 @@ def test_the_kernel_gives_the_tokens_of_the_jnp_reference(tiny, kernel_engine):
 def test_w8a8_is_refused_where_its_kernel_cannot_run(tiny):
     with pytest.raises(ValueError, match="AVX512-VNNI"):
         _engine(tiny, cpu_kernels="off")
+
+
+def test_nothing_compiles_after_warm_up(tiny):
+    engine = _engine(tiny, warmup=True)
+    _tokens(engine)
+    assert engine.stats()["num_compilations_after_warmup"] == 0
