@@ -1,11 +1,7 @@
 """The load generator's client side (`jaxbatch bench serve`): one streaming request, the
 /health poller, one run of a workload against one server at one rate, and the figures of
-`vllm bench serve` over its results.
-
-Every time is read from `clock` (default time.perf_counter) relative to the run's start, so a
-test can drive a run on a fake clock and check the arithmetic exactly; `transport` lets it
-answer the requests in-process (an httpx transport). On real sockets the streams go through
-stream_client.py, a lean client that takes less of the CPU it shares with the server.
+`vllm bench serve` over its results. Times are read from `clock` relative to the run's start,
+so a test can drive a run on a fake clock through an in-process httpx `transport`.
 """
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ import time
 import numpy as np
 
 from jaxbatch.benchmarks.report import stats_ms
-from jaxbatch.benchmarks.stream_client import LeanClient
 from jaxbatch.benchmarks.workloads import ServeRequest, arrival_offsets
+
 
 @dataclasses.dataclass
 class RequestResult:
@@ -181,27 +177,47 @@ def _client(limit: int | None = None, api_key: str | None = None, transport=None
                              transport=transport)
 
 
+class AiohttpStreams:
+    """The streaming requests' client on real sockets: aiohttp, whose C parser reads a chunk
+    for a fraction of the CPU httpx's pure-Python layers take, CPU the load generator shares
+    with the server it measures (vLLM's `bench serve` reads through aiohttp alike). Each request
+    has its own connection (`force_close`), so its TTFT includes the TCP connect, as a fresh
+    client's would. It offers what `send_request` uses of httpx's `AsyncClient.stream`."""
+
+    def __init__(self, api_key: str | None = None):
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    async def __aenter__(self):
+        import aiohttp
+        self.session = aiohttp.ClientSession(
+            headers=self.headers, read_bufsize=1 << 20,
+            timeout=aiohttp.ClientTimeout(total=6 * 3600.0, connect=30.0),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, json=None):
+        async with self.session.request(method, url, json=json) as resp:
+            yield _Streamed(resp)
+
+
+class _Streamed:
+    def __init__(self, resp):
+        self.resp, self.status_code = resp, resp.status
+
+    async def aread(self) -> bytes:
+        return await self.resp.read()
+
+    async def aiter_lines(self):
+        async for line in self.resp.content:
+            yield line.rstrip(b"\r\n").decode("utf-8", "replace")
+
+
 def _stream_client(api_key: str | None, transport):
-    """The streaming requests' client: the lean one (stream_client.py) on real sockets,
-    httpx where a test hands in a transport."""
-    if transport is not None:
-        return _client(None, api_key, transport)
-    return LeanClient({"Authorization": f"Bearer {api_key}"} if api_key else None)
-
-
-async def run_load(base: str, workload, *, rate: float = math.inf, max_concurrency=None,
-                   api: str = "chat", model: str | None = None, goodput=None,
-                   health_interval: float | None = 0.1, max_tokens_field=None,
-                   extra_body=None, api_key=None, clock=time.perf_counter,
-                   transport=None) -> dict:
-    """Sends the workload to one server at one rate; returns the summary and every request.
-    `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
-    base = normalize_base(base)
-    extra_body = extra_body or {}
-    with _heap_frozen():
-        return await _run_load(base, workload, rate, max_concurrency, api, model, goodput,
-                               health_interval, max_tokens_field, extra_body, api_key, clock,
-                               transport)
+    return AiohttpStreams(api_key) if transport is None else _client(None, api_key, transport)
 
 
 _frozen_runs = [0]      # runs in progress under _heap_frozen
@@ -209,12 +225,10 @@ _frozen_runs = [0]      # runs in progress under _heap_frozen
 
 @contextlib.contextmanager
 def _heap_frozen():
-    """The process's objects out of the collector's reach for the run: a full collection walks
-    every live object and holds every thread meanwhile, so in a process holding a large heap
-    (a model, a test session) one pass delays the sends and the stream reads by hundreds of
-    ms, and the figures would time the collector. (vLLM's engine core freezes its start-up
-    heap for the same reason.) Runs inside runs, and a process that froze its heap itself,
-    keep theirs: only the outermost run that froze unfreezes."""
+    """The process's objects out of the collector's reach for the run: in a process holding a
+    large heap (a model, a test session) a full collection holds every thread long enough to
+    delay the sends and stream reads, and the figures would time the collector (vLLM's engine
+    core freezes its heap alike). Only the outermost run that froze unfreezes."""
     ours = _frozen_runs[0] == 0 and gc.get_freeze_count() == 0
     if ours:
         gc.collect()
@@ -228,45 +242,45 @@ def _heap_frozen():
             gc.unfreeze()
 
 
-async def _run_load(base, workload, rate, max_concurrency, api, model, goodput,
-                    health_interval, max_tokens_field, extra_body, api_key, clock,
-                    transport) -> dict:
-    async with _stream_client(api_key, transport) as client, \
-            _client(4, api_key, transport) as control:
-        model = model or await served_model(control, base)
-        offsets = arrival_offsets(workload, rate)
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        samples, stop = [], asyncio.Event()
-        inflight = [0, 0]      # now, peak
+async def run_load(base: str, workload, *, rate: float = math.inf, max_concurrency=None,
+                   api: str = "chat", model: str | None = None, goodput=None,
+                   health_interval: float | None = 0.1, max_tokens_field=None,
+                   extra_body=None, api_key=None, clock=time.perf_counter,
+                   transport=None) -> dict:
+    """Sends the workload to one server at one rate; returns the summary and every request.
+    `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
+    base, extra_body = normalize_base(base), extra_body or {}
+    with _heap_frozen():
+        async with _stream_client(api_key, transport) as client, \
+                _client(4, api_key, transport) as control:
+            model = model or await served_model(control, base)
+            offsets = arrival_offsets(workload, rate)
+            sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+            samples, stop = [], asyncio.Event()
+            inflight = [0, 0]      # now, peak
 
-        async def one(req, offset):
-            delay = offset - (clock() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            result = RequestResult(req.idx, req.max_tokens, scheduled=offset)
-            body = request_body(api, model, req, max_tokens_field, extra_body)
-            if sem is None:
-                return await _counted(send_request(client, base, api, body, result, t0, clock))
-            async with sem:
-                return await _counted(send_request(client, base, api, body, result, t0, clock))
+            async def one(req, offset):
+                if (delay := offset - (clock() - t0)) > 0:
+                    await asyncio.sleep(delay)
+                result = RequestResult(req.idx, req.max_tokens, scheduled=offset)
+                body = request_body(api, model, req, max_tokens_field, extra_body)
+                async with sem or contextlib.nullcontext():
+                    inflight[0] += 1
+                    inflight[1] = max(inflight)
+                    try:
+                        return await send_request(client, base, api, body, result, t0, clock)
+                    finally:
+                        inflight[0] -= 1
 
-        async def _counted(coro):
-            inflight[0] += 1
-            inflight[1] = max(inflight[1], inflight[0])
-            try:
-                return await coro
-            finally:
-                inflight[0] -= 1
-
-        t0 = clock()
-        poller = (asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
-                                                  samples, clock))
-                  if health_interval else None)
-        results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
-        duration = clock() - t0
-        stop.set()
-        if poller:
-            await poller
+            t0 = clock()
+            poller = (asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
+                                                      samples, clock))
+                      if health_interval else None)
+            results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
+            duration = clock() - t0
+            stop.set()
+            if poller:
+                await poller
     summary = summarize_results(results, duration, goodput)
     summary.update(model=model, api=api, request_rate=rate, max_concurrency=max_concurrency,
                    peak_concurrent_requests=inflight[1], health=health_summary(samples))

@@ -1,5 +1,6 @@
-"""The load generator's lean HTTP client (jaxbatch/benchmarks/stream_client.py) against a raw
-asyncio server that frames its bodies every way HTTP/1.1 allows, split at awkward places."""
+"""The load generator's streaming client (`AiohttpStreams`, jaxbatch/benchmarks/serve_client.py)
+against a raw asyncio server that frames its bodies every way HTTP/1.1 allows, split at awkward
+places."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,9 @@ import json
 
 import pytest
 
-from jaxbatch.benchmarks.stream_client import LeanClient, ProtocolError
+aiohttp = pytest.importorskip("aiohttp")
+
+from jaxbatch.benchmarks.serve_client import AiohttpStreams  # noqa: E402
 
 EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\r\n\r\n', b"data: [DONE]\n\n"]
 WANT_LINES = ['data: {"a": 1}', "", 'data: {"b": "\u00e9"}', "", "data: [DONE]", ""]
@@ -77,7 +80,7 @@ def _run(fn):
 
 def _lines(path):
     async def fn(base):
-        async with LeanClient({"Authorization": "Bearer k"}) as client:
+        async with AiohttpStreams("k") as client:
             async with client.stream("POST", base + path + "?x=1", json={"q": "\u00e9"}) as resp:
                 return resp.status_code, [line async for line in resp.aiter_lines()]
     return _run(fn)
@@ -104,29 +107,19 @@ def test_invalid_utf8_is_replaced_as_httpx_does():
                                                 ("/empty", 204, b"")])
 def test_a_status_and_its_body_are_read(path, status, body):
     async def fn(base):
-        async with LeanClient() as client:
+        async with AiohttpStreams() as client:
             async with client.stream("POST", base + path, json={}) as resp:
                 return resp.status_code, await resp.aread()
     assert _run(fn)[0] == (status, body)
 
 
-@pytest.mark.parametrize("path, message", [("/short", "before the body's end"),
-                                           ("/garbage", "not an HTTP/1.x status line"),
-                                           ("/negative", "bad chunk size line"),
-                                           ("/overlong", "does not end where")])
-def test_a_broken_response_raises(path, message):
+# Not "/negative" nor "/overlong": aiohttp's C parser waits for more data after a bad chunk
+# (aio-libs/aiohttp#10596), so such a request ends at the client's whole-request timeout.
+@pytest.mark.parametrize("path", ["/short", "/garbage"])
+def test_a_broken_response_raises(path):
     async def fn(base):
-        async with LeanClient() as client:
+        async with AiohttpStreams() as client:
             async with client.stream("POST", base + path, json={}) as resp:
                 return await resp.aread()
-    with pytest.raises(ProtocolError, match=message):
+    with pytest.raises(aiohttp.ClientError):
         _run(fn)
-
-
-def test_only_http_urls():
-    async def fn():
-        async with LeanClient() as client:
-            async with client.stream("POST", "ftp://127.0.0.1/x", json={}):
-                pass
-    with pytest.raises(ValueError, match="only http"):
-        asyncio.run(fn())

@@ -363,13 +363,12 @@ def test_tokenize_detokenize(server, offline):
 
 
 def test_the_load_generators_lean_client_reads_this_servers_streams(server):
-    """`jaxbatch bench serve` streams through its own HTTP client (stream_client.py): over
+    """`jaxbatch bench serve` streams through aiohttp (serve_client.AiohttpStreams): over
     uvicorn's chunked framing it sees every request through, each chunk's text and the usage."""
     from jaxbatch.benchmarks import serve_client
-    from jaxbatch.benchmarks.serve_client import run_load
-    from jaxbatch.benchmarks.stream_client import LeanClient
+    from jaxbatch.benchmarks.serve_client import AiohttpStreams, run_load
     from jaxbatch.benchmarks.workloads import make_workload
-    assert isinstance(serve_client._stream_client(None, None), LeanClient)   # on real sockets
+    assert isinstance(serve_client._stream_client(None, None), AiohttpStreams)  # real sockets
     workload = make_workload(6, lengths=(12, 0.5, 4, 20), seed=3)
     for api in ("chat", "completions"):
         s = asyncio.run(run_load(server.base, workload, api=api, health_interval=None))["summary"]
