@@ -41,3 +41,14 @@ INSTRUMENTS = {
     "accuracy-bf16": ("accuracy_bf16", "bf16 against float32: top-1, KL, perplexity ratio"),
     "hostile": ("hostile", "hostile clients against a server (a robustness tool)"),
 }
+
+
+def emit_json(result: dict, out=None) -> None:
+    """A worker's result (a peer's side, in its own venv): printed, and written to `out` when
+    given (its parent reads it)."""
+    import json
+    from pathlib import Path
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text)
+    print(text)

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import time
 
-from jaxbatch.benchmarks.report import emit_json
+from benchmarks import emit_json
 from jaxbatch.benchmarks.workloads import Request, encode_prompts, make_workload
 
 

@@ -16,7 +16,17 @@ from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, pow2_mod
 from jaxbatch.benchmarks.throughput import Throughput, engine_table
 from benchmarks.observer import KvReadMeter, observe
 from jaxbatch.benchmarks.report import fmt, table
-from jaxbatch.benchmarks.workloads import load_prompts, offline_requests, synthetic_prompt_ids
+from jaxbatch.benchmarks.workloads import load_prompts, offline_requests
+
+# Token-id prompts (no tokenizer) get ~ len(text) / 4 tokens plus what a chat template adds.
+CHARS_PER_TOKEN, CHAT_TEMPLATE_TOKENS = 4, 30
+
+
+def synthetic_prompt_ids(entries, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids with the bundled prompts' approximate lengths (models without tokenizer)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, len(e["text"]) // CHARS_PER_TOKEN
+                         + CHAT_TEMPLATE_TOKENS).tolist() for e in entries]
 
 
 def bandwidth_utilisation(run, meter_steps, weight_bytes, kv_token_bytes, copy_bps) -> dict:

@@ -21,7 +21,7 @@ import argparse
 import os
 import time
 
-from jaxbatch.benchmarks.report import emit_json
+from benchmarks import emit_json
 from jaxbatch.benchmarks.workloads import add_workload_flags, encode_prompts, serve_workload
 
 

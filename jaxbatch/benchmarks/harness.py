@@ -1,10 +1,6 @@
-"""The in-process harness: drive an engine over a workload and measure what `vllm bench serve`
-reports (request throughput, output tokens/s, TTFT, TPOT, ITL, end-to-end latency), plus the
-per-step log (sequences, KV blocks, tokens) and the ideal continuous/static ratio.
-
-Timing is wall clock around the timed part only; every engine is warmed up before it. A token's
-time is when the engine hands it to the caller (when `LLMEngine.step()` returns it).
-"""
+"""The in-process harness: drive a warmed engine over a workload and measure what `vllm bench
+serve` reports, plus the per-step log and the ideal continuous/static ratio. A token's time is
+when `LLMEngine.step()` hands it to the caller."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxbatch.benchmarks.report import stats_ms
 
+
 def ideal_ratio(output_lens, slots) -> dict:
     """Decode steps each batching mode needs for these lengths (prefill ignored; a request holds
     a slot for exactly its output length in steps, requests are served in order):
@@ -29,14 +26,11 @@ def ideal_ratio(output_lens, slots) -> dict:
     free_at = [0] * slots
     for n in output_lens:
         heapq.heappush(free_at, heapq.heappop(free_at) + n)
-    continuous = max(free_at)
-    bound = math.ceil(sum(output_lens) / slots)
+    continuous, bound = max(free_at), math.ceil(sum(output_lens) / slots)
     return {"static_steps": static, "continuous_steps": continuous,
             "continuous_steps_lower_bound": bound, "ideal_ratio": static / continuous,
             "ratio_vs_lower_bound": static / bound}
 
-
-# ---- metrics -------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Trace:
@@ -77,20 +71,16 @@ def summarize(run: RunResult, traces=None) -> dict:
         raise RuntimeError(f"{run.engine}: no request completed")
     end = max(t.token_times[-1] for t in done)
     duration = end - run.start
-    out_tokens = sum(len(t.token_times) for t in done)
-    in_tokens = sum(t.prompt_len for t in done)
-    tpot = [(t.token_times[-1] - t.token_times[0]) / (t.output_len - 1)
-            for t in done if t.output_len > 1]
-    itl = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
+    out_tokens, in_tokens = sum(len(t.token_times) for t in done), sum(t.prompt_len for t in done)
     return {
         "completed": len(done), "requests": len(traces), "duration_s": duration,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "request_throughput": len(done) / duration,
-        "output_tokens_per_s": out_tokens / duration,
+        "request_throughput": len(done) / duration, "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (in_tokens + out_tokens) / duration,
         "ttft": stats_ms([t.token_times[0] - t.arrival for t in done]),
-        "tpot": stats_ms(tpot),
-        "itl": stats_ms(itl),
+        "tpot": stats_ms([(t.token_times[-1] - t.token_times[0]) / (t.output_len - 1)
+                          for t in done if t.output_len > 1]),
+        "itl": stats_ms([b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]),
         "e2el": stats_ms([t.token_times[-1] - t.arrival for t in done]),
     }
 
@@ -98,8 +88,7 @@ def summarize(run: RunResult, traces=None) -> dict:
 def step_stats(run: RunResult, slots: int) -> dict:
     if not run.steps:
         return {}
-    seqs = np.array([s[1] for s in run.steps])
-    blocks = np.array([s[2] for s in run.steps])
+    seqs, blocks = np.array([s[1] for s in run.steps]), np.array([s[2] for s in run.steps])
     return {"num_steps": len(run.steps), "mean_slot_occupancy": float(seqs.mean() / slots),
             "max_kv_blocks_in_use": int(blocks.max()), "mean_kv_blocks_in_use": float(blocks.mean()),
             **step_time_split(run.steps, run.step_seconds)}
@@ -120,8 +109,6 @@ def step_time_split(steps, step_seconds) -> dict:
             "mean_rows_per_decode_step": float(np.mean([r for r, _ in decode])) if decode else 0.0,
             "decode_step_ms_by_rows": {r: {"steps": len(v), "median_ms": 1e3 * float(np.median(v))}
                                        for r, v in sorted(by_rows.items())}}
-
-# ---- driving a jaxbatch engine -------------------------------------------------------------------
 
 def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=None, **kw):
     from jaxbatch.engine.llm_engine import LLMEngine
@@ -197,6 +184,7 @@ def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=Non
     if shared is None or mode == "workload":
         warm_jaxbatch(engine, requests, mode)
     return engine
+
 
 def pow2_model_len(requests, block_size=16) -> int:
     """Smallest length with a power-of-two page count that fits every request, so the set of

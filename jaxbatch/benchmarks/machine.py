@@ -1,12 +1,8 @@
-"""What machine a benchmark ran on, and what an hour of it costs.
-
-`machine_info()` goes into every report: numbers from a shared 2-core VM and from an H200 are
-not comparable, and the CPU flags (AMX, AVX512-BF16) decide how fast bfloat16 runs on a CPU.
-`default_price_per_hour()` is the list price the cost per million output tokens is computed
-with when `--price-per-hour` is not given; it says which price it used.
-"""
+"""What machine a benchmark ran on (every report states it: a shared 2-core VM and an H200 are
+not comparable, and CPU flags decide how fast bfloat16 runs), and what an hour of it costs."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -26,13 +22,17 @@ CPU_PRICES = {
 }
 
 
-def cpu_model() -> str | None:
+def _cpuinfo(field: str) -> str | None:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith(field)), None)
     except OSError:
-        pass
+        return None
+
+
+def cpu_model() -> str | None:
+    if (model := _cpuinfo("model name")) is not None:
+        return model
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         return next(l.split(":", 1)[1].strip() for l in out.splitlines()
@@ -42,21 +42,12 @@ def cpu_model() -> str | None:
 
 
 def cpu_flags() -> list[str]:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in INTERESTING_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
+    have = set((_cpuinfo("flags") or "").split())
+    return [f for f in INTERESTING_FLAGS if f in have]
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def machine_info(with_jax: bool = True) -> dict:
@@ -64,28 +55,22 @@ def machine_info(with_jax: bool = True) -> dict:
     without jaxbatch's JAX, e.g. vLLM's) -- jax's version, backend and device."""
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "python": platform.python_version(), "platform": platform.platform(),
-            "cpu_model": cpu_model(), "cpu_count": cpu_count(), "cpu_flags": cpu_flags()}
-    try:
-        info["loadavg_at_start"] = os.getloadavg()
-    except OSError:
-        pass
+            "cpu_model": cpu_model(), "cpu_count": cpu_count(), "cpu_flags": cpu_flags(),
+            "loadavg_at_start": os.getloadavg()}
     if with_jax:
         import jax
         info.update(jax=jax.__version__, jax_backend=jax.default_backend(),
                     device=str(jax.devices()[0].device_kind), device_count=jax.device_count())
     for mod in ("torch", "transformers"):
-        try:
+        with contextlib.suppress(ImportError):
             info[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
     return info
 
 
 def default_price_per_hour(info: dict | None = None) -> tuple[float | None, str]:
-    """(USD per hour, where the figure comes from) for the machine `info` describes (default:
-    this one). On a CPU: the vendor's AWS general-purpose on-demand price per vCPU times the
-    cores this process may use. On an accelerator no list price is assumed (they differ by
-    provider and commitment by several times): (None, why)."""
+    """(USD per hour, its source) for the machine `info` describes (default: this one): on a
+    CPU the vendor's AWS on-demand price per vCPU times the cores this process may use; on an
+    accelerator none is assumed (prices differ by provider and commitment by several times)."""
     info = info or machine_info(with_jax=False)
     backend = info.get("jax_backend", "cpu")
     if backend != "cpu":

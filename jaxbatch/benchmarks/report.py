@@ -1,10 +1,5 @@
-"""One report writer for every benchmark: figures, JSON, markdown tables, PNG plots, cost.
-
-A benchmark builds a dict (its report), then `write_report(out_dir, name, report, md)` writes
-`name.json` (numpy scalars and dataclasses serialised) and `name.md`; `table()` makes the
-markdown tables; `save_png()` saves a matplotlib figure; `cost_per_million()` turns output
-tokens per second and a price per hour into USD per million output tokens.
-"""
+"""One report writer for every benchmark: table cells, markdown tables, JSON, PNG plots, and the
+cost per million output tokens at a price per hour."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +12,7 @@ import numpy as np
 
 def fmt(x, digits=1) -> str:
     """A number for a table cell; '-' when there is none."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x:.{digits}f}"
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
 def stats_ms(values) -> dict:
@@ -39,8 +32,7 @@ def trio(s: dict, digits: int = 0) -> str:
 def table(head: list[str], rows: list[list]) -> str:
     """A markdown table; cells are str()-ed as they are."""
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def cost_per_million(output_tokens_per_s, usd_per_hour) -> float | None:
@@ -69,21 +61,11 @@ def to_json(obj):
     dataclasses; anything else as str."""
     if hasattr(obj, "to_json"):
         return obj.to_json()
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, (np.generic, np.ndarray)):
         return obj.tolist()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     return str(obj)
-
-
-def emit_json(result: dict, out=None) -> None:
-    """A worker's result: printed, and written to `out` when given (its parent reads it)."""
-    text = json.dumps(result, indent=1)
-    if out:
-        Path(out).write_text(text)
-    print(text)
 
 
 def write_json(path: Path, report: dict, default=to_json) -> Path:
@@ -96,11 +78,10 @@ def write_json(path: Path, report: dict, default=to_json) -> Path:
 def write_report(out_dir, name: str, report: dict, md: str | None = None,
                  default=to_json) -> list[Path]:
     """<out_dir>/<name>.json and, given the markdown, <out_dir>/<name>.md."""
-    out = Path(out_dir)
-    paths = [write_json(out / f"{name}.json", report, default)]
+    paths = [write_json(Path(out_dir) / f"{name}.json", report, default)]
     if md is not None:
-        (out / f"{name}.md").write_text(md + "\n")
-        paths.append(out / f"{name}.md")
+        paths.append(Path(out_dir) / f"{name}.md")
+        paths[-1].write_text(md + "\n")
     return paths
 
 

@@ -8,27 +8,24 @@ plus /health latency measured while the server is under that load.
     # servers started here, one at a time, and served against offline (a checkout's lab):
     python -m benchmarks serve-launch --launch jaxbatch-continuous vllm --offline-baseline
 
-Workload (fixed seed, the same for every target and every rate): --num-prompts requests, each
-a prompt drawn uniformly from the bundled prompts (chat: one user message, the server applies
-its chat template; completions: the raw text) and a max_tokens drawn as
-round(lognormal(median, sigma)) clipped to [min, max]; greedy (temperature 0) with
-ignore_eos, so every request generates exactly max_tokens tokens. Arrival gaps are one draw of
-standard exponentials scaled by 1 / rate (rate inf: all at t=0); --max-concurrency caps the
-requests in flight (a request waiting for a slot is not timed, as in vLLM).
+Workload (fixed seed, the same for every target and rate): --num-prompts requests, each a
+bundled prompt drawn uniformly (chat: one user message; completions: the raw text) and a
+max_tokens of round(lognormal(median, sigma)) clipped to [min, max]; greedy with ignore_eos,
+so every request generates exactly max_tokens tokens. Arrival gaps: one draw of standard
+exponentials scaled by 1 / rate (inf: all at t=0); --max-concurrency caps the requests in
+flight (a request waiting for a slot is not timed, as in vLLM).
 
 Metrics, as `vllm bench serve` computes them: TTFT = first chunk carrying text - request sent;
 E2EL = last byte - request sent; TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = every gap
-between chunks carrying text, pooled; token counts from the server's `usage`
-(`stream_options.include_usage`), never from chunk counts (a chunk may carry several tokens);
-throughputs over the wall time from the first request sent to the last finished; goodput =
-requests meeting every SLO given with --goodput, per second. A side task GETs /health every
---health-interval seconds during the timed run (its p99 is a serving target: the event loop
-must stay responsive under load). Output: <out>/bench_serve.json (every request's timings),
-bench_serve.md (the table, also printed) and bench_serve.png (TTFT and TPOT against rate).
+between chunks carrying text, pooled; token counts from the server's `usage`, never from chunk
+counts; throughputs over the first send to the last finish; goodput = requests meeting every
+--goodput SLO, per second. /health is polled every --health-interval s during the timed run
+(its p99 is a serving target). Output: <out>/bench_serve.json (every request's timings), .md
+(the table, also printed) and bench_serve.png (TTFT and TPOT against rate).
 
-Warm-up (untimed, per target, before its runs): by default the whole workload at once, so a
-server that compiles shapes lazily does it there. Servers with prefix caching (vLLM by default)
-then hold every prompt for the timed runs; turn it off on the server to measure cold prompts.
+Warm-up (untimed, per target): by default the whole workload at once, so a server that compiles
+lazily does it there; a server with prefix caching then holds every prompt for the timed runs
+(turn it off on the server to measure cold prompts).
 """
 from __future__ import annotations
 
@@ -40,12 +37,10 @@ import math
 from pathlib import Path
 
 from jaxbatch.benchmarks.base import Benchmark
-from jaxbatch.benchmarks.report import cost_cell, fmt, pyplot, table, trio
+from jaxbatch.benchmarks.report import cost_cell, fmt, pyplot, save_png, table, trio
 from jaxbatch.benchmarks.serve_client import normalize_base, run_load, warm_up
-from jaxbatch.benchmarks.workloads import DEFAULT_PROMPTS, add_workload_flags, serve_workload
+from jaxbatch.benchmarks.workloads import add_workload_flags, serve_workload
 
-
-# ---- report --------------------------------------------------------------------------------------
 
 def rate_label(rate: float, conc) -> str:
     label = "inf" if math.isinf(rate) else f"{rate:g}"
@@ -85,40 +80,30 @@ def plot(report: dict, path: Path) -> str | None:
     if plt is None:
         return None
     rates = sorted({r["summary"]["request_rate"] for r in report["runs"]})
-    finite = [r for r in rates if not math.isinf(r)]
-    inf_x = (max(finite) * 1.5 if finite else 1.0)
-    xpos = lambda r: inf_x if math.isinf(r) else r
+    inf_x = 1.5 * max([r for r in rates if not math.isinf(r)], default=2 / 3)
+    xpos = lambda r: inf_x if math.isinf(r) else r      # noqa: E731
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     lines = {}
     for run in report["runs"]:
         s = run["summary"]
-        key = run["target"] + (f" c={s['max_concurrency']}" if s["max_concurrency"] else "")
-        lines.setdefault(key, []).append(s)
+        lines.setdefault(run["target"] + (f" c={s['max_concurrency']}" if s["max_concurrency"]
+                                          else ""), []).append(s)
     for i, (key, rows) in enumerate(sorted(lines.items())):
         rows.sort(key=lambda s: xpos(s["request_rate"]))
-        xs = [xpos(s["request_rate"]) for s in rows]
-        color = f"C{i}"
         for ax, metric in zip(axes, ("ttft", "tpot")):
-            med = [s[metric]["median_ms"] for s in rows]
-            p99 = [s[metric]["p99_ms"] for s in rows]
-            ax.plot(xs, med, "o-", color=color, label=f"{key} median")
-            ax.plot(xs, p99, "x--", color=color, alpha=0.6, label=f"{key} p99")
+            for stat, style in (("median", "o-"), ("p99", "x--")):
+                ax.plot([xpos(s["request_rate"]) for s in rows],
+                        [s[metric][f"{stat}_ms"] for s in rows], style, color=f"C{i}",
+                        alpha=1.0 if stat == "median" else 0.6, label=f"{key} {stat}")
     for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(name)
-        ax.set_xticks([xpos(r) for r in rates])
-        ax.set_xticklabels(["inf" if math.isinf(r) else f"{r:g}" for r in rates])
+        ax.set(xlabel="request rate (req/s)", ylabel=name, xticks=[xpos(r) for r in rates],
+               xticklabels=[rate_label(r, None) for r in rates])
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"{report['args']['num_prompts']} requests, {report['args']['api']} streaming")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_png(fig, path)
 
-
-# ---- main ----------------------------------------------------------------------------------------
 
 def parse_goodput(items) -> dict | None:
     if not items:
@@ -141,29 +126,24 @@ def bench_target(name, base, args, workload, report, between=None):
                                args.api_key))
     report["servers"].setdefault(name, {})["warmup"] = warm
     for round_ in range(args.rounds):
-        _one_round(name, base, args, workload, report, round_)
-        if between is not None:
-            between()
-
-
-def _one_round(name, base, args, workload, report, round_):
-    for conc in args.max_concurrency:
-        for rate in args.request_rate:
-            print(f"[{name}] rate {rate_label(rate, conc)} ...", flush=True)
+        for conc, rate in itertools.product(args.max_concurrency, args.request_rate):
+            label = f"[{name}] rate {rate_label(rate, conc)}"
+            print(f"{label} ...", flush=True)
             out = asyncio.run(run_load(
                 base, workload, rate=rate, max_concurrency=conc, api=args.api, model=args.model,
                 goodput=args.goodput, health_interval=args.health_interval or None,
                 max_tokens_field=args.max_tokens_field, extra_body=args.extra_body,
                 api_key=args.api_key))
             s = out["summary"]
-            print(f"[{name}] rate {rate_label(rate, conc)}: {s['completed']}/{s['num_requests']} "
-                  f"done, {fmt(s['output_tokens_per_s'])} out tok/s, TTFT median "
+            print(f"{label}: {s['completed']}/{s['num_requests']} done, "
+                  f"{fmt(s['output_tokens_per_s'])} out tok/s, TTFT median "
                   f"{fmt(s['ttft']['median_ms'], 0)} ms, TPOT median "
                   f"{fmt(s['tpot']['median_ms'], 0)} ms, /health p99 "
-                  f"{fmt(s['health']['p99_ms'])} ms", flush=True)
-            if s["failed"]:
-                print(f"[{name}]   errors: {s['errors']}", flush=True)
+                  f"{fmt(s['health']['p99_ms'])} ms" + (f"; errors: {s['errors']}" if s["failed"]
+                                                         else ""), flush=True)
             report["runs"].append({"target": name, "base_url": base, "round": round_, **out})
+        if between is not None:
+            between()
 
 
 class Serve(Benchmark):
@@ -183,7 +163,6 @@ class Serve(Benchmark):
         ap.add_argument("--api", choices=("chat", "completions"), default="chat")
         ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
         add_workload_flags(ap)
-        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
         ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
         ap.add_argument("--health-interval", type=float, default=0.1,
@@ -221,9 +200,8 @@ class Serve(Benchmark):
     def bench(self, _, args) -> dict:
         args.goodput = parse_goodput(args.goodput)
         args.extra_body = json.loads(args.extra_body)
-        workload = serve_workload(args, args.prompts)
-        # The client's machine (no JAX needed here); the price defaults to it, so a server on
-        # another machine (or a GPU) needs --price-per-hour.
+        workload = serve_workload(args)
+        # The price defaults to the client's machine: a server elsewhere needs --price-per-hour.
         report = {"workload": [dataclasses.asdict(r) for r in workload], "servers": {},
                   "runs": []}
         given = [(t.partition("=")[0], normalize_base(t.partition("=")[2])) for t in args.target]

@@ -45,9 +45,8 @@ class RequestResult:
 
     @property
     def tpot(self):
-        if self.ttft is None or not self.output_tokens or self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+        ok = self.ttft is not None and (self.output_tokens or 0) >= 2
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if ok else None
 
     @property
     def itls(self):
@@ -56,16 +55,13 @@ class RequestResult:
 
 def request_body(api: str, model: str, req: ServeRequest, max_tokens_field: str | None,
                  extra: dict) -> dict:
+    chat = api == "chat"
     body = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if api == "chat":
-        body["messages"] = [{"role": "user", "content": req.text}]
-        body[max_tokens_field or "max_completion_tokens"] = req.max_tokens
-    else:
-        body["prompt"] = req.text
-        body[max_tokens_field or "max_tokens"] = req.max_tokens
-    body.update(extra)
-    return body
+            "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": req.text}]} if chat else
+               {"prompt": req.text}),
+            max_tokens_field or ("max_completion_tokens" if chat else "max_tokens"): req.max_tokens}
+    return {**body, **extra}
 
 
 def _chunk_text(api: str, choice: dict) -> str:
@@ -88,8 +84,7 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
         async with client.stream("POST", base + path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:300]}"
-                result.end = clock() - t0
+                result.error, result.end = f"HTTP {resp.status_code}: {text[:300]}", clock() - t0
                 return result
             done = False
             async for line in resp.aiter_lines():
@@ -112,16 +107,14 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
                         chunks_seen += 1
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
-                usage = msg.get("usage")
-                if usage:
+                if usage := msg.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens")
                     result.output_tokens = usage.get("completion_tokens")
             result.end = clock() - t0
             if result.error is None and not done:
                 result.error = "stream ended without data: [DONE]"
     except Exception as e:      # connection refused/reset, timeouts, bad JSON
-        result.end = clock() - t0
-        result.error = f"{type(e).__name__}: {e}"[:300]
+        result.error, result.end = f"{type(e).__name__}: {e}"[:300], clock() - t0
         return result
     if result.error is None:
         if result.output_tokens is None:
@@ -133,8 +126,6 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
             result.error = "no output tokens"
     return result
 
-
-# ---- /health poller ------------------------------------------------------------------------------
 
 async def poll_health(client, base: str, interval: float, stop: asyncio.Event, t0: float,
                       samples: list, clock=time.perf_counter) -> None:
@@ -149,23 +140,18 @@ async def poll_health(client, base: str, interval: float, stop: asyncio.Event, t
             status = type(e).__name__
         end = time.perf_counter()
         samples.append((offset, end - start, status))
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, interval - (end - start)))
-        except asyncio.TimeoutError:
-            pass
 
 
 def health_summary(samples) -> dict:
-    lat = [s[1] for s in samples]
+    lat = 1e3 * np.asarray([s[1] for s in samples])
     bad = [s for s in samples if s[2] != 200]
     return {"samples": len(samples), "non_200": len(bad),
             "statuses_non_200": sorted({str(s[2]) for s in bad}),
-            "p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else None,
-            "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else None,
-            "max_ms": 1e3 * max(lat) if lat else None}
+            **{k: float(np.percentile(lat, q)) if len(lat) else None
+               for k, q in (("p50_ms", 50), ("p99_ms", 99), ("max_ms", 100))}}
 
-
-# ---- one run: a target at one rate ---------------------------------------------------------------
 
 def _client(limit: int | None = None, api_key: str | None = None, transport=None):
     import httpx
@@ -297,29 +283,25 @@ def summarize_results(results, duration: float, goodput=None) -> dict:
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens or 0 for r in done)
     end = max((r.end for r in done), default=duration)
-    tpots = [r.tpot for r in done if r.tpot is not None]
+    per_s = lambda n: n / end if end > 0 else None      # noqa: E731
     summary = {
         "num_requests": len(results), "completed": len(done), "failed": len(failed),
-        "errors": sorted({r.error for r in failed})[:5],
-        "duration_s": end,
+        "errors": sorted({r.error for r in failed})[:5], "duration_s": end,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
         "expected_output_tokens": sum(r.max_tokens for r in done),
         "requests_with_other_output_length": sum(r.output_tokens != r.max_tokens for r in done),
         "requests_without_usage": sum(r.usage_missing for r in done),
-        "request_throughput": len(done) / end if end > 0 else None,
-        "output_tokens_per_s": out_tokens / end if end > 0 else None,
-        "total_tokens_per_s": (in_tokens + out_tokens) / end if end > 0 else None,
+        "request_throughput": per_s(len(done)), "output_tokens_per_s": per_s(out_tokens),
+        "total_tokens_per_s": per_s(in_tokens + out_tokens),
         "ttft": stats_ms([r.ttft for r in done]),
-        "tpot": stats_ms(tpots),
+        "tpot": stats_ms([r.tpot for r in done if r.tpot is not None]),
         "itl": stats_ms([x for r in done for x in r.itls]),
         "e2el": stats_ms([r.e2el for r in done]),
         "max_send_lag_ms": 1e3 * max((r.sent - r.scheduled for r in results), default=0.0),
     }
     if goodput:
-        good = [r for r in done if _meets(r, goodput)]
-        summary["goodput_slo_ms"] = dict(goodput)
-        summary["good_requests"] = len(good)
-        summary["goodput"] = len(good) / end if end > 0 else None
+        good = sum(_meets(r, goodput) for r in done)
+        summary.update(goodput_slo_ms=dict(goodput), good_requests=good, goodput=per_s(good))
     return summary
 
 

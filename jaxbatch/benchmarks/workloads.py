@@ -1,12 +1,6 @@
-"""The benchmarks' workloads: the bundled prompts, output-length distributions, arrivals.
-
-Everything is seeded, so every engine (and every rerun) sees the same requests. Nothing here
-imports JAX (vllm_offline.py imports it from vLLM's own venv) -- only numpy.
-
-The bundled files are package data (`jaxbatch/benchmarks/data/`, listed in pyproject.toml):
-  bench_prompts.json   short / medium / long prompts, each {"id", "kind", "text"}
-  system_prompt.txt    a ~850-token system prompt (prefix caching, speculative decoding)
-"""
+"""The benchmarks' workloads, seeded so every engine and rerun sees the same requests: the
+bundled prompts (package data: bench_prompts.json, short / medium / long {"id", "kind", "text"};
+system_prompt.txt, ~850 tokens), output lengths, arrivals. Only numpy: vLLM's venv imports it."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +14,6 @@ DATA = Path(__file__).resolve().with_name("data")
 DEFAULT_PROMPTS = DATA / "bench_prompts.json"
 SYSTEM_PROMPT = DATA / "system_prompt.txt"
 SHORT_KINDS = ("short", "medium")
-# Token-id prompts (no tokenizer) get ~ len(text) / 4 tokens plus what a chat template adds.
-CHARS_PER_TOKEN, CHAT_TEMPLATE_TOKENS = 4, 30
 
 
 @dataclasses.dataclass
@@ -58,13 +50,6 @@ def chat_ids(tokenizer, messages) -> list[int]:
 def encode_prompts(entries, tokenizer) -> list[list[int]]:
     """Chat-templated token ids: what an instruct model is actually served."""
     return [chat_ids(tokenizer, [{"role": "user", "content": e["text"]}]) for e in entries]
-
-
-def synthetic_prompt_ids(entries, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token ids with the bundled prompts' approximate lengths (models without tokenizer)."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, len(e["text"]) // CHARS_PER_TOKEN
-                         + CHAT_TEMPLATE_TOKENS).tolist() for e in entries]
 
 
 def lognormal_lengths(rng, n: int, median: float, sigma: float, lo: int, hi: int) -> list[int]:
@@ -108,19 +93,18 @@ def online_requests(prompt_ids, kinds, n_short, n_long, rate, lengths, seed,
 
 
 def add_workload_flags(ap) -> None:
-    """The mixed chat workload's flags (`serve_workload` reads them): --num-prompts,
-    --output-median / -sigma / -min / -max, --seed."""
+    """The mixed chat workload's flags, which `serve_workload` reads."""
     ap.add_argument("--num-prompts", type=int, default=48)
     for name, default in (("median", 32.0), ("sigma", 1.0), ("min", 8), ("max", 256)):
         ap.add_argument(f"--output-{name}", type=type(default), default=default)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
 
 
-def serve_workload(args, prompts_path=DEFAULT_PROMPTS) -> list[ServeRequest]:
-    """`make_workload` as `add_workload_flags`' flags say."""
+def serve_workload(args) -> list[ServeRequest]:
     return make_workload(args.num_prompts, (args.output_median, args.output_sigma,
                                             args.output_min, args.output_max), args.seed,
-                         prompts_path)
+                         args.prompts)
 
 
 def make_workload(num_prompts: int, lengths=(32, 1.0, 8, 256), seed: int = 0,
@@ -139,6 +123,5 @@ def make_workload(num_prompts: int, lengths=(32, 1.0, 8, 256), seed: int = 0,
 
 def arrival_offsets(workload, rate: float) -> list[float]:
     """Send times of a ServeRequest workload at `rate` req/s (inf: all at t=0)."""
-    if math.isinf(rate):
-        return [0.0] * len(workload)
-    return list(np.cumsum([r.gap / rate for r in workload]))
+    gaps = [0.0 if math.isinf(rate) else r.gap / rate for r in workload]
+    return list(np.cumsum(gaps))

@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+from benchmarks.throughput_gpu import synthetic_prompt_ids
 from jaxbatch.benchmarks import harness, throughput, workloads
 
 # One namespace for the names these tests used from the former scripts/bench.py.
@@ -44,7 +45,7 @@ def test_workloads_are_seeded_and_shaped():
     entries = bench.load_prompts()
     kinds = [e["kind"] for e in entries]
     assert len(entries) >= 30 and {"short", "medium", "long"} <= set(kinds)
-    prompts = bench.synthetic_prompt_ids(entries, 512, seed=0)
+    prompts = synthetic_prompt_ids(entries, 512, seed=0)
     a = bench.online_requests(prompts, kinds, 8, 2, 4.0, (8, 1.0, 2, 16), seed=3)
     b = bench.online_requests(prompts, kinds, 8, 2, 4.0, (8, 1.0, 2, 16), seed=3)
     assert [(r.prompt_ids, r.output_len, r.arrival) for r in a] == \
@@ -81,7 +82,7 @@ def test_offline_and_online_on_tiny_model(tiny):
         "--online-chunk", "16", "--warmup", "workload"]))
     entries = bench.load_prompts()
     kinds = [e["kind"] for e in entries]
-    prompts = bench.synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0)
+    prompts = synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0)
     requests = bench.offline_requests(prompts, kinds, 10, (8, 1.0, 2, 24), seed=0,
                                       max_prompt_len=24)
     off = bench.bench_offline(args, tiny, requests)
