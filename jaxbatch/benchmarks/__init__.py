@@ -1,5 +1,3 @@
-"""Benchmarks as a tool: `jaxbatch bench NAME` (registry.py lists the names), one module per
-benchmark with `main(argv)`, over a small library -- workloads.py (bundled prompts, output
-lengths, arrivals), harness.py (drive an engine, vllm bench serve's metrics), report.py (JSON,
-markdown, PNG, cost per million output tokens), machine.py (machine info, list prices) and
-observer.py (the step hooks benchmarks attach to). Importing this package imports nothing."""
+"""`jaxbatch bench NAME`: one module per benchmark (registry.py lists them) with `main(argv)`, on
+base.py and ab.py, over a small library: workloads.py, harness.py, report.py, machine.py,
+random_models.py. Importing this package imports nothing."""

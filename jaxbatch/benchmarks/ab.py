@@ -1,15 +1,8 @@
 """The feature A/Bs' base (`jaxbatch bench prefix | spec | structured | lora | quant`): variants
-of one engine option (off and on, or a few settings) run the same cases in turns, round by
-round, each round in an order rotated by one, so a slow moment of a shared machine hits every
-variant alike. Each figure is the median over rounds; the report states it beside the first
-variant's (the baseline) as a ratio. A benchmark module is its docstring (its --help), its
-flags, its variants and cases, its measurement and its table, and nothing else:
-
-    class Spec(ABBenchmark):    # name; add_arguments, bench (calls `compare`), markdown
-    main = Spec().main
-
-`drive` is the measurement most of them share: requests run to the end on one engine.
-"""
+of one engine option run the same cases in turns, round by round, each round's order rotated by
+one, so a slow moment of a shared machine hits every variant alike; each figure is the median
+over rounds, stated beside the first variant's (the baseline) as a ratio. `drive` is the
+measurement most share: requests run to the end on one engine."""
 from __future__ import annotations
 
 import itertools

@@ -1,8 +1,7 @@
-"""The base every `jaxbatch bench NAME` stands on: flags, run, report. A benchmark is a subclass
-whose module docstring is its --help, with its flags (`add_arguments`), what it measures
-(`bench`) and its table (`markdown`); `main(argv)` does the rest: parses, loads the model,
-states the machine, times the run, prices it, writes <out>/<report_name>.json and .md (and the
-PNGs `plots` makes), prints the table and returns the report."""
+"""The base every `jaxbatch bench NAME` stands on. A benchmark is a subclass whose module
+docstring is its --help, with its flags (`add_arguments`), what it measures (`bench`) and its
+table (`markdown`); `main(argv)` parses, loads the model, states the machine, times and prices
+the run, writes <out>/<report_name>.json and .md (and `plots`' PNGs), and prints the table."""
 from __future__ import annotations
 
 import argparse
@@ -16,9 +15,12 @@ from jaxbatch.benchmarks.report import price_line, to_json, write_report
 
 
 def add_flags(ap, **defaults) -> None:
-    """A plain flag per keyword: --name-with-dashes, typed as its default."""
-    for name, default in defaults.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    """A flag per keyword, --name-with-dashes, typed as its default; a (default, help) pair
+    gives it a help line."""
+    for name, value in defaults.items():
+        default, help_ = value if isinstance(value, tuple) else (value, None)
+        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                        help=help_)
 
 
 class Benchmark:

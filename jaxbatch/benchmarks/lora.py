@@ -1,9 +1,7 @@
-"""What LoRA adapters cost a decode step: a random model of the embedded model's shapes
-(SmolLM2-135M: hidden 576, 30 layers) with random rank-16 PEFT adapters on all seven layer
-matrices; full-batch decode steps at 16 and 64 rows with 0, 1 and `max_loras` adapters active,
-against the same model in an engine without LoRA, taking turns --rounds times (ab.py). Adapters
-are written in PEFT's format directly (`adapter_config.json` + `adapter_model.safetensors`), so
-neither torch nor peft is needed. (The batch delta's two forms alone: the lab's
+"""What LoRA adapters cost a decode step: a random model of the embedded model's shapes with
+random rank-16 PEFT adapters (written directly: no torch, no peft) on all seven layer matrices;
+full-batch decode steps at 16 and 64 rows with 0, 1 and `max_loras` adapters active, against
+the same model without LoRA, in turns --rounds times. (The batch delta's forms alone: the lab's
 `python -m benchmarks lora-delta`.)
 
     jaxbatch bench lora --rows 16 64 --rounds 2

@@ -1,15 +1,11 @@
-"""Prefix caching, on vs off in one run, warm, on the embedded model:
+"""Prefix caching, on vs off, warm, on the embedded model:
 
-  shared_system  chat requests arriving at --prefix-rate (Poisson), all with one long system
-                 prompt (data/system_prompt.txt, ~850 tokens) and their own question
-  multi_turn     conversations whose every turn resends the whole history (system prompt,
-                 earlier questions and the model's own answers) plus a new question
-  no_sharing     the bundled prompts, each once, at t=0: hashing is all the cache adds here
+  shared_system  chat requests at --prefix-rate (Poisson) sharing one ~850-token system prompt
+  multi_turn     conversations whose every turn resends the whole history plus a new question
+  no_sharing     the bundled prompts, each once, at t=0: hashing is all the cache adds
 
-Both engines share one runner (the same executables and KV pool), are warmed on every bucket,
-and each run starts from an empty cache, so a hit is only ever one request helping a later one.
-On/off take turns --repeats times (ab.py) and each figure is the median. Every request is
-greedy, so the outputs must also be equal: any difference is reported.
+Both engines share one runner, warmed on every bucket; each run starts from an empty cache; on
+and off take turns --repeats times, medians reported; greedy outputs must be equal (reported).
 
     jaxbatch bench prefix [--repeats 2] [--out bench_out] [--price-per-hour USD]
 """

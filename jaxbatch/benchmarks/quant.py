@@ -2,19 +2,13 @@
 
     jaxbatch bench quant [--context 256] [--base-seqs 8] [--requests 64] [--rounds 1] [--out DIR]
 
-Capacity: the budget is what --base-seqs sequences of --context tokens need in a float32 cache
-(the CPU's model dtype); at that `kv_cache_memory_bytes`, the blocks a float32, bfloat16 and
-int8 cache get (scales counted), and the largest max_num_seqs whose full context fits.
-Throughput: the same requests (random token prompts of context/2 tokens, greedy outputs of
-uniformly drawn lengths in [context/8, context/2 - 1], ignore_eos; mixed lengths keep the slots
-of continuous batching busy, so no run ends on a near-empty round) through
-  f32_kv        at the float32 cache's largest batch       (the baseline)
-  int8_kv       at the int8 cache's largest batch          (same memory, more sequences)
-  int8_weights  f32 KV, baseline batch                     (int8 weights alone)
-  int8_both     int8 KV + int8 weights, int8 cache's batch
-each warmed up on every bucket first, taking turns --rounds times (ab.py); output tokens/s over
-the whole run and the median full-batch decode step. (One decode step, float32 against int8
-weights, alone: the lab's `python -m benchmarks quant-step`.)
+The budget is what --base-seqs float32 sequences of --context tokens need; at it, the blocks a
+float32, bfloat16 and int8 cache get (scales counted) and the largest max_num_seqs that fits.
+The same requests (prompts of context/2 tokens, greedy outputs of mixed lengths, ignore_eos),
+warmed up, in turns --rounds times, through f32_kv (the float32 cache's batch, the baseline),
+int8_kv (the int8 cache's batch), int8_weights (f32 KV, baseline batch) and int8_both: output
+tokens/s and the median full-batch decode step. (One step alone: `python -m benchmarks
+quant-step`.)
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""`jaxbatch bench NAME [ARGS]` (also `python -m jaxbatch bench ...`): every benchmark by name, as
-`vllm bench` has them. `jaxbatch bench` or `jaxbatch bench --help` lists them; `jaxbatch bench
-NAME --help` gives a benchmark's own flags.
-
-Each name is a module of this package with `main(argv)`. Nothing is imported until a name is
-chosen: listing stays instant and starts no JAX. `dispatch` serves the lab's `python -m
-benchmarks` alike.
-"""
+"""`jaxbatch bench NAME [ARGS]` (also `python -m jaxbatch bench ...`), as `vllm bench` has them:
+`jaxbatch bench` lists the names, `jaxbatch bench NAME --help` gives a benchmark's flags. A name
+is imported only once chosen, so listing starts no JAX. `dispatch` serves `python -m benchmarks`."""
 from __future__ import annotations
 
 import importlib

@@ -1,19 +1,15 @@
 """The engine's steps against the physical floor of this machine, measured in the same run.
 
-Probes: copy bandwidth (a jitted in-place pass over 512 MB: bytes read + written / time), read
-bandwidth (a max over 512 MB, one numpy call per core on as many threads) and the GEMM peak (a
-2048^3 matmul in the weights' dtype, the faster of XLA's dot and our packed GEMM kernel).
-Floors: a decode step's is the larger of (weight + KV bytes it reads) / copy bandwidth and its
-matmul FLOPs / GEMM peak; the sequential floor adds the KV read at the read rate to the
-matmuls' own floor (a layer's attention sits between its matmuls); "reachable / bandwidth
-floor" is the lowest step / bandwidth-floor ratio any implementation could show here (above 1
-when the matmuls' FLOPs outlast the bytes: a CPU without AMX at a few dozen rows); a prefill
-chunk's floor is its matmul FLOPs / GEMM peak.
+Probes: copy bandwidth (a jitted in-place pass over 512 MB), read bandwidth (a max over 512 MB,
+one numpy call per core) and the GEMM peak (a 2048^3 matmul in the weights' dtype, the faster
+of XLA's dot and our packed kernel). A decode step's floor is the larger of (weight + KV bytes)
+/ copy bandwidth and its matmul FLOPs / GEMM peak; the sequential floor adds the KV read at the
+read rate to the matmuls' floor; "reachable / bandwidth floor" is the lowest ratio any
+implementation could show here; a prefill chunk's floor is its FLOPs / GEMM peak.
 
-Decode: `rows` requests decoding in lockstep (`steady_decode_engine`, every length inside
-(ctx/2, ctx]); `--steps` rounds, each timing one `engine.step()` without host/device overlap,
-then consecutive steps with it (the engine's default): the period at which it decodes. Medians
-over rounds. Prefill: one request of `--prefill-tokens` tokens, its single step timed.
+Decode: `rows` requests in lockstep, every length inside (ctx/2, ctx]; --steps rounds, each
+timing one step without host/device overlap, then consecutive steps with it (the period at
+which the engine decodes); medians. Prefill: one --prefill-tokens request's single step.
 
     jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]
 """
@@ -94,11 +90,9 @@ def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
 
 
 def model_bytes(params) -> int:
-    """The weight bytes a decode step reads: every leaf, except a tied embedding table beside
-    its head's packed copy (`tied_head`, `worker/weight_forms.py`): the step gathers a few rows
-    of the table and reads the copy whole."""
+    """The weight bytes a decode step reads: every leaf, but not a tied embedding table beside
+    its head's packed copy (`tied_head`): the step gathers a few rows of it."""
     import jax
-
     skip = "embed" if "tied_head" in params else None
     return sum(x.nbytes for key, value in params.items() if key != skip
                for x in jax.tree.leaves(value))
@@ -112,8 +106,7 @@ def matmul_params(cfg) -> int:
 
 
 def kv_bytes_read(engine, lengths) -> int:
-    cfg, pool = engine.model_config, engine.runner.pool
-    itemsize = np.dtype(pool[0].dtype).itemsize
+    cfg, itemsize = engine.model_config, np.dtype(engine.runner.pool[0].dtype).itemsize
     return int(sum(lengths)) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
@@ -124,9 +117,8 @@ def decode_flops(cfg, rows: int) -> int:
 
 def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", quantization=None):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
-    length inside (ctx/2, ctx]. One chunk per prompt and a budget that holds them all put every
-    prefill in the first step. No host/device overlap: a step is timed whole, with nothing of
-    it still running on the device while the pieces are timed."""
+    length inside (ctx/2, ctx], every prefill in the first step; no host/device overlap, so a
+    step is timed whole."""
     from jaxbatch import SamplingParams
     from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
@@ -135,11 +127,10 @@ def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", quant
                        attention_backend=backend, async_scheduling=False,
                        quantization=quantization)
     rng = np.random.default_rng(seed)
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
     for i in range(slots):
-        prompt = rng.integers(0, vocab, ctx - (rounds + 3)).tolist()
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", rng.integers(0, engine.model_config.vocab_size,
+                                                 ctx - (rounds + 3)).tolist(), params)
     return engine
 
 
@@ -169,8 +160,7 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
         check_steady(engine, rows, first, 1)
         kv.append(kv_bytes_read(engine, lengths))
         periods.append(overlapped_period(engine, rows, OVERLAPPED_STEPS))
-    weights = model_bytes(engine.runner.params)
-    kv_read = statistics.median(kv)
+    weights, kv_read = model_bytes(engine.runner.params), statistics.median(kv)
     bandwidth_floor = (weights + kv_read) / bandwidth
     compute_floor = decode_flops(engine.model_config, rows) / peak
     floor = max(bandwidth_floor, compute_floor)
@@ -188,10 +178,9 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
 
 
 def overlapped_period(engine, rows: int, steps: int) -> float:
-    """Seconds per step of `steps` consecutive steps with host/device overlap on: each
-    `step()` dispatches the next step and reads the previous one, so their wall time over
-    `steps` is the period at which a running engine decodes. The first call (dispatch only) is
-    not timed; every timed step must still run all `rows` sequences."""
+    """Seconds per step of `steps` consecutive steps with host/device overlap on (each `step()`
+    dispatches the next and reads the previous): the period at which a running engine decodes.
+    The first call (dispatch only) is not timed."""
     engine.async_scheduling = True
     engine.step()
     first = len(engine.step_log)
@@ -204,9 +193,8 @@ def overlapped_period(engine, rows: int, steps: int) -> float:
 
 
 def check_steady(engine, rows: int, first: int, steps: int) -> None:
-    """The steps dispatched since step_log[first] were `steps` decode steps of all `rows`
-    sequences: a timed step of fewer rows (or none, its sequences done) would be a smaller
-    step than the one named."""
+    """The steps since step_log[first] were `steps` decode steps of all `rows` sequences: a timed
+    step of fewer rows would be a smaller step than the one named."""
     dispatched = engine.step_log[first:]
     if len(dispatched) != steps or any(num_seqs != rows for _, num_seqs, _, _ in dispatched):
         raise RuntimeError(f"{rows} rows: left steady decode in a timed step")
@@ -218,11 +206,10 @@ def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
     engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
                        prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
                        enable_prefix_caching=False, quantization=quantization)
-    vocab = engine.model_config.vocab_size
-    rng = np.random.default_rng(0)
-    times = []
+    rng, times = np.random.default_rng(0), []
     for i in range(4):
-        engine.add_request(f"p{i}", rng.integers(3, vocab, tokens).tolist(),
+        engine.add_request(f"p{i}", rng.integers(3, engine.model_config.vocab_size,
+                                                 tokens).tolist(),
                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         engine.step()
@@ -233,6 +220,23 @@ def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
     flops = 2 * matmul_params(engine.model_config) * tokens
     return {"tokens": tokens, "step_ms": 1e3 * step, "gflop": flops / 1e9,
             "floor_ms": 1e3 * flops / peak, "step_over_floor": step * peak / flops}
+
+
+# The tables' columns: (head, cell as a format string over a decode_rows / prefill_chunk entry).
+DECODE_COLUMNS = (
+    ("decode rows", "{rows}"), ("context", "{context}"), ("step ms", "{step_ms:.1f}"),
+    ("overlapped step ms", "{overlapped_step_ms:.1f}"), ("weights MB", "{weight_mb:.0f}"),
+    ("KV read MB", "{kv_mb:.0f}"), ("bandwidth floor ms", "{bandwidth_floor_ms:.1f}"),
+    ("compute floor ms", "{compute_floor_ms:.1f}"),
+    ("step / floor", "{step_over_floor:.2f} ({bound})"),
+    ("overlapped / floor", "{overlapped_over_floor:.2f}"),
+    ("sequential floor at read rate ms", "{sequential_floor_ms:.1f}"),
+    ("overlapped / sequential", "{overlapped_over_sequential:.2f}"),
+    ("overlapped / bandwidth floor", "{overlapped_over_bandwidth_floor:.2f}"),
+    ("reachable / bandwidth floor", "{reachable_over_bandwidth_floor:.2f}"))
+PREFILL_COLUMNS = (
+    ("prefill tokens", "{tokens}"), ("step ms", "{step_ms:.1f}"), ("GFLOP", "{gflop:.1f}"),
+    ("floor ms", "{floor_ms:.1f}"), ("step / floor", "{step_over_floor:.2f}"))
 
 
 class Roofline(Benchmark):
@@ -265,36 +269,22 @@ class Roofline(Benchmark):
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s,"
               f" {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
         return {"model": loaded.source, "weights": args.quantization or str(dtype),
-                "copy_bandwidth_bytes_s": bandwidth,
-                "read_bandwidth_bytes_s": reads, "gemm_peak_flop_s": peak,
-                "gemm_dtype": str(dtype),
+                "copy_bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": reads,
+                "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype),
                 "decode": [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak,
                                        reads, args.quantization) for rows in args.rows],
                 "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, args.quantization)}
 
     def markdown(self, report) -> str:
-        prefill = report["prefill"]
+        def rows(columns, entries):
+            return table([head for head, _ in columns],
+                         [[form.format(**e) for _, form in columns] for e in entries])
         return "\n\n".join([
             f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; read bandwidth "
             f"{report['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {report['gemm_dtype']} GEMM "
             f"peak {report['gemm_peak_flop_s'] / 1e12:.2f} TFLOP/s; {report['model']}, weights "
             f"{report['weights']}",
-            table(["decode rows", "context", "step ms", "overlapped step ms", "weights MB",
-                   "KV read MB", "bandwidth floor ms", "compute floor ms", "step / floor",
-                   "overlapped / floor", "sequential floor at read rate ms",
-                   "overlapped / sequential", "overlapped / bandwidth floor",
-                   "reachable / bandwidth floor"],
-                  [[d["rows"], d["context"], f"{d['step_ms']:.1f}",
-                    f"{d['overlapped_step_ms']:.1f}", f"{d['weight_mb']:.0f}",
-                    f"{d['kv_mb']:.0f}", f"{d['bandwidth_floor_ms']:.1f}",
-                    f"{d['compute_floor_ms']:.1f}", f"{d['step_over_floor']:.2f} ({d['bound']})",
-                    f"{d['overlapped_over_floor']:.2f}", f"{d['sequential_floor_ms']:.1f}",
-                    f"{d['overlapped_over_sequential']:.2f}",
-                    f"{d['overlapped_over_bandwidth_floor']:.2f}",
-                    f"{d['reachable_over_bandwidth_floor']:.2f}"] for d in report["decode"]]),
-            table(["prefill tokens", "step ms", "GFLOP", "floor ms", "step / floor"],
-                  [[prefill["tokens"], f"{prefill['step_ms']:.1f}", f"{prefill['gflop']:.1f}",
-                    f"{prefill['floor_ms']:.1f}", f"{prefill['step_over_floor']:.2f}"]])])
+            rows(DECODE_COLUMNS, report["decode"]), rows(PREFILL_COLUMNS, [report["prefill"]])])
 
 
 main = Roofline().main

@@ -1,15 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup), on vs off in one run, warm, on the embedded model:
-output tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop: each finished
-request is replaced at once) on two workloads:
+"""Speculative decoding (n-gram prompt lookup), on vs off, warm, on the embedded model: output
+tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop) on two workloads:
 
-  repetitive  "correct this paragraph" requests over paragraphs of data/system_prompt.txt
-              with a few typos: the answer mostly copies the prompt, as edits and summaries do
-  default     the bundled prompts (data/bench_prompts.json), chat template applied
+  repetitive  "correct this paragraph" requests with a few typos: the answer mostly copies
+  default     the bundled prompts, chat template applied
 
-Both engines share one runner; on/off take turns --repeats times (ab.py), medians reported; the
-greedy tokens of every request must be equal with speculation on and off (checked, reported).
-What one more row costs a decode step, which sets `max_batch_size`, is in `jaxbatch bench
-throughput`'s report (`decode_step_ms_by_rows`).
+Both engines share one runner; on/off take turns --repeats times, medians reported; greedy
+tokens must be equal on and off (reported). What a row costs a decode step (which sets
+`max_batch_size`) is in `jaxbatch bench throughput`'s `decode_step_ms_by_rows`.
 
     jaxbatch bench spec [--repeats 2] [--k 3] [--out bench_out] [--price-per-hour USD]
 """

@@ -1,19 +1,13 @@
 """Start-up cost of the embedded model: `LLM()` to first token, cold and from the caches.
 
     jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--no-unified-step]
-                           [--out bench_out]       (writes bench_startup.json and .md)
 
-Each measurement is a fresh Python process (what a user's second start is), in a private cache
-root that holds the converted weights but, depending on the mode, no compiled code:
-  cold         nothing compiled on disk: every bucket is traced, lowered and compiled
-  warm         what the cold start left: each bucket's lowered function read back
-               (`jaxbatch/worker/lowered_store.py`) and its executable read from JAX's persistent
-               compilation cache; nothing traced or compiled
-  traced       (--traced) JAX's cache only, the lowered functions removed: every bucket traced
-               and lowered again, then read from the cache (the warm start before the store)
-plus `serial`: the cold compile on one thread, for the per-executable compile time. Reports
-load, warm-up (wall and process CPU seconds, lower / compile split), executables, time to the
-first token, and the host's 1-minute load average at the end of each start.
+Each start is a fresh Python process in a private cache root holding the converted weights:
+  cold    nothing compiled on disk: every bucket traced, lowered and compiled
+  warm    what the cold start left: lowered functions read back, executables from JAX's cache
+  traced  (--traced) JAX's cache only: every bucket traced and lowered again
+plus `serial`, the cold compile on one thread. Reports load, warm-up (wall and CPU seconds,
+lower / compile split), executables, time to first token and the load average at the end.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Structured outputs' cost in the continuous batch: the offline mixed workload of `bench
-throughput` (same prompts, lognormal output lengths, greedy) with 0 %, 50 % and 100 % of the
-requests constrained to a JSON schema, on one warmed engine (same executables for every run),
-the fractions taking turns --rounds times (ab.py).
-
-Reports per fraction: output tokens/s, steps, the grammar's host time per step that carried a
-mask (advance + fill), and how many of those masks were filled while the forward ran
-(host/device overlap). Free requests run to their length (ignore_eos, as `bench throughput`);
-JSON ones stop where their schema ends, so compare tokens/s, not wall time.
+"""Structured outputs' cost in the continuous batch: `bench throughput`'s offline workload with
+0 %, 50 % and 100 % of the requests constrained to a JSON schema, on one warmed engine, the
+fractions in turns --rounds times. Per fraction: output tokens/s, steps, the grammar's host time
+per masked step, and how many masks were filled while the forward ran. JSON requests stop where
+their schema ends, so compare tokens/s, not wall time.
 
     jaxbatch bench structured --fractions 0 0.5 1 --num-requests 64 --max-num-seqs 32
 """

@@ -17,11 +17,9 @@ Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths ar
            disabled (jaxbatch continuous only). The default of `latency`.
 Every timed jaxbatch run starts from an empty prefix cache.
 
-Timing is wall clock around the timed part only; every engine is warmed up before it (jaxbatch:
-`engine.warmup()` compiles every bucket; HF: a short untimed run); see harness.py and
-a peer's driver for when a token counts as delivered. Every table states the cost per million
-output tokens at --price-per-hour (default: a list price for this machine, see machine.py).
-Output: JSON with every figure, PNG plots and a markdown summary printed last (see --out).
+Timing is wall clock around the timed part only, every engine warmed up first (jaxbatch:
+every bucket compiled; HF: a short untimed run). Output: JSON with every figure, PNG plots and
+a markdown summary printed last, with the cost per million output tokens at --price-per-hour.
 """
 from __future__ import annotations
 
@@ -45,8 +43,6 @@ class Peers:
     goals: dict             # name -> the continuous / peer ratio it is to reach
     setup: Callable         # (args, requests) -> {name: run(requests, slots) -> RunResult}
 
-
-# ---- CPU benchmark -------------------------------------------------------------------------------
 
 def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
     """Every selected engine on the same requests; returns summaries and raw runs. Static
@@ -102,8 +98,6 @@ def bench_online(args, loaded, requests) -> dict:
                           "output_len": r.output_len, "arrival_s": r.arrival} for r in requests],
             "request_rate": args.request_rate, "summaries": summaries, "runs": runs}
 
-# ---- report --------------------------------------------------------------------------------------
-
 def engine_table(summaries, price: dict) -> str:
     rows = [[name, fmt(s["request_throughput"], 2), fmt(s["output_tokens_per_s"]),
              cost_cell(s["output_tokens_per_s"], price), trio(s["ttft"]), trio(s["tpot"]),
@@ -126,12 +120,12 @@ def online_table(online, price: dict) -> str:
 
 
 def targets(report, goals=None) -> list[dict]:
-    """The issue's targets, each with the measured figure and met / missed / not run."""
+    """The issue's targets, each with the measured figure and met or missed."""
     rows = []
 
     def add(name, value, target, met):
         rows.append({"target": name, "measured": value, "goal": target,
-                     "status": "not run" if met is None else ("met" if met else "missed")})
+                     "status": "met" if met else "missed"})
     off = report.get("offline", {})
     s = off.get("summaries", {})
     tps = {k: v["output_tokens_per_s"] for k, v in s.items()}
@@ -166,8 +160,6 @@ def targets_table(rows) -> str:
                  [[r["target"], r["measured"], r["goal"], r["status"]] for r in rows])
 
 
-# ---- the benchmark -------------------------------------------------------------------------------
-
 class Throughput(Benchmark):
     name, report_name = "throughput", "bench"
     workloads = ("offline", "online")       # --workloads' default
@@ -182,14 +174,14 @@ class Throughput(Benchmark):
                         help="slots (a peer's batch size); default 16")
         ap.add_argument("--num-requests", type=int, default=None, help="offline requests; default 32")
         ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-        add_flags(ap, output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0)
-        ap.add_argument("--request-rate", type=float, default=1.0, help="online arrivals per second")
-        ap.add_argument("--online-short", type=int, default=20, help="online short requests")
-        ap.add_argument("--online-long", type=int, default=3, help="online long prompts among them")
-        add_flags(ap, online_output_median=12.0, online_output_max=48)
-        ap.add_argument("--online-chunk", type=int, default=64, help="chunked variant's chunk size")
-        ap.add_argument("--online-budget-chunks", type=int, default=4,
-                        help="chunked variant's budget: max_num_seqs + this many chunks")
+        add_flags(ap, output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0,
+                  request_rate=(1.0, "online arrivals per second"),
+                  online_short=(20, "online short requests"),
+                  online_long=(3, "online long prompts among them"),
+                  online_output_median=12.0, online_output_max=48,
+                  online_chunk=(64, "chunked variant's chunk size"),
+                  online_budget_chunks=(4, "chunked variant's budget: max_num_seqs + this many "
+                                           "chunks"))
         ap.add_argument("--max-prompt-len", type=int, default=None,
                         help="truncate prompts to their last N tokens")
         ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
