@@ -21,11 +21,8 @@ def drive(engine, requests, concurrency: int | None = None) -> dict:
     with at most `concurrency` in flight (None: all at once): wall time, output tokens/s, TTFT
     and TPOT, each computing step as (seconds, sequences, tokens), every request's tokens and
     text, and how much each numeric engine stat moved."""
-    run = next(_RUN_IDS)
-    before = engine.stats()
-    pending = deque(enumerate(requests))
-    sent, times, finals = {}, {}, {}
-    steps = []
+    run, before, pending = next(_RUN_IDS), engine.stats(), deque(enumerate(requests))
+    sent, times, finals, steps = {}, {}, {}, []
     start = time.monotonic()
     while pending or engine.has_unfinished_requests():
         while pending and (concurrency is None
@@ -43,8 +40,7 @@ def drive(engine, requests, concurrency: int | None = None) -> dict:
             times[i] += [now] * (len(out.outputs[0].token_ids) - len(times[i]))
             if out.finished:
                 finals[i] = out.outputs[0]
-    duration = time.monotonic() - start
-    after = engine.stats()
+    duration, after = time.monotonic() - start, engine.stats()
     tokens = [list(finals[i].token_ids) for i in range(len(requests))]
     return {"duration_s": duration, "output_tokens": sum(map(len, tokens)),
             "output_tokens_per_s": sum(map(len, tokens)) / duration,
@@ -79,13 +75,9 @@ def median_run(runs: list[dict]) -> dict:
     out = {}
     for key, first in runs[0].items():
         values = [r[key] for r in runs]
-        if isinstance(first, dict):
-            out[key] = median_run(values)
-        elif (isinstance(first, (int, float)) and not isinstance(first, bool)
-              and None not in values):
-            out[key] = statistics.median(values)
-        else:
-            out[key] = first
+        numbers = isinstance(first, (int, float)) and not isinstance(first, bool)
+        out[key] = (median_run(values) if isinstance(first, dict) else
+                    statistics.median(values) if numbers and None not in values else first)
     return out
 
 

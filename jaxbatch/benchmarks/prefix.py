@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, tok_s_cells
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.harness import run_jaxbatch, summarize
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, Request, chat_ids,
@@ -29,10 +30,8 @@ WORKLOADS = ("shared_system", "multi_turn", "no_sharing")
 
 
 def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> list[Request]:
-    system = SYSTEM_PROMPT.read_text()
-    rng = np.random.default_rng(seed)
-    arrivals = poisson_arrivals(rng, n, rate)
-    picks = rng.integers(0, len(questions), n)
+    system, rng = SYSTEM_PROMPT.read_text(), np.random.default_rng(seed)
+    arrivals, picks = poisson_arrivals(rng, n, rate), rng.integers(0, len(questions), n)
     return [Request(f"sys-{i}", chat_ids(tokenizer, [{"role": "system", "content": system},
                                                      {"role": "user", "content": questions[p]}]),
                     output_len, float(arrivals[i]), "shared_system")
@@ -52,20 +51,17 @@ def multi_turn_run(engine, tokenizer, questions, conversations, turns, output_le
     """Turn t of every conversation is sent at once when turn t - 1 has been answered; a
     turn's answer (the model's own text) joins the history the next turn resends."""
     from jaxbatch import SamplingParams
-    system = SYSTEM_PROMPT.read_text()
-    histories = [[{"role": "system", "content": system},
+    histories = [[{"role": "system", "content": SYSTEM_PROMPT.read_text()},
                   {"role": "user", "content": questions[i % len(questions)]}]
                  for i in range(conversations)]
-    params = SamplingParams(temperature=0, max_tokens=output_len)
-    turns_run = []
+    params, turns_run = SamplingParams(temperature=0, max_tokens=output_len), []
     for turn in range(turns):
         run = drive(engine, [(chat_ids(tokenizer, h), params) for h in histories])
         turns_run.append(run)
         for history, text in zip(histories, run["texts"]):
             history += [{"role": "assistant", "content": text},
                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
-    duration = sum(r["duration_s"] for r in turns_run)
-    ttft = [r["ttft"] for r in turns_run]
+    duration, ttft = sum(r["duration_s"] for r in turns_run), [r["ttft"] for r in turns_run]
     return {"output_tokens_per_s": sum(r["output_tokens"] for r in turns_run) / duration,
             "duration_s": duration, "ttft_mean_ms": float(np.mean([t["mean_ms"] for t in ttft])),
             "ttft_median_ms": float(np.median([t["median_ms"] for t in ttft])),
@@ -77,17 +73,12 @@ class Prefix(ABBenchmark):
     name = "prefix"
 
     def add_arguments(self, ap) -> None:
-        ap.add_argument("--prefix-requests", type=int, default=24)
-        ap.add_argument("--prefix-rate", type=float, default=1.0, help="shared_system arrivals/s")
-        ap.add_argument("--conversations", type=int, default=8)
-        ap.add_argument("--turns", type=int, default=4)
-        ap.add_argument("--output-len", type=int, default=32)
+        add_flags(ap, prefix_requests=24, prefix_rate=(1.0, "shared_system arrivals/s"),
+                  conversations=8, turns=4, output_len=32, slots=16, max_model_len=2048,
+                  prompts=str(DEFAULT_PROMPTS))
         ap.add_argument("--distinct-requests", type=int, default=None,
                         help="no_sharing: the first N bundled prompts (default all)")
         ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (engine default)")
-        ap.add_argument("--slots", type=int, default=16)
-        ap.add_argument("--max-model-len", type=int, default=2048)
-        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
         ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every bucket first (--no-warmup: a quick smoke run)")
 
@@ -98,8 +89,8 @@ class Prefix(ABBenchmark):
         common = dict(loaded=loaded, max_num_seqs=args.slots, max_model_len=args.max_model_len,
                       prefill_chunk_size=args.chunk)
         on = LLMEngine(**common, enable_prefix_caching=True, warmup=args.warmup)
-        engines = {"on": on,
-                   "off": LLMEngine(**common, runner=on.runner, enable_prefix_caching=False)}
+        engines = {"on": on, "off": LLMEngine(**common, runner=on.runner,
+                                              enable_prefix_caching=False)}
         shared = shared_system_requests(tokenizer, questions, args.prefix_requests,
                                         args.prefix_rate, args.output_len, args.seed)
         outs = lognormal_lengths(np.random.default_rng(args.seed), len(entries), 24, 1.0, 4, 96)
@@ -115,10 +106,9 @@ class Prefix(ABBenchmark):
                 engine = engines[name]
                 engine.reset_prefix_cache()
                 before = engine.stats()
-                figures = runs[workload](engine)
-                after = engine.stats()
-                queried = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-                hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+                figures, after = runs[workload](engine), engine.stats()
+                queried, hits = (after[k] - before[k] for k in ("prefix_cache_queries",
+                                                                "prefix_cache_hits"))
                 return {**figures, "queried_tokens": queried, "hit_tokens": hits,
                         "hit_rate": hits / queried if queried else 0.0}
             return one

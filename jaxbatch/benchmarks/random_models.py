@@ -1,6 +1,5 @@
-"""Random-weight models of real shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B, and "tiny" for
-CPU runs and tests) in the engine's params layout: `jaxbatch bench roofline` and `lora` run
-them, and so do the GPU harness (benchmarks/gpu_e2e.py) and the tests."""
+"""Random-weight models of real shapes in the engine's params layout, for `jaxbatch bench
+roofline` and `lora`, the GPU harness (benchmarks/gpu_e2e.py) and the tests."""
 from __future__ import annotations
 
 import math
@@ -33,8 +32,6 @@ MODEL_SHAPES = {
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
-# ---- random weights ---------------------------------------------------------------------------
-
 def _layer_init(cfg: ModelConfig, dtype):
     """key -> one layer's params. Projections ~ N(0, 1/fan_in) keep the residual stream at unit
     scale through depth, so bf16 neither overflows nor flattens the logits."""
@@ -47,36 +44,26 @@ def _layer_init(cfg: ModelConfig, dtype):
         keys = jax.random.split(key, len(shapes))
         layer = {name: (jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
                  for k, (name, shape) in zip(keys, shapes.items())}
-        layer["attn_norm"] = jnp.ones((d,), dtype)
-        layer["mlp_norm"] = jnp.ones((d,), dtype)
-        return layer
+        return {**layer, "attn_norm": jnp.ones((d,), dtype), "mlp_norm": jnp.ones((d,), dtype)}
     return init
 
 
 def embedding_std(cfg: ModelConfig) -> float:
     """Standard deviation of the random embeddings: untied 1, tied sqrt(2 L / d). The final
-    hidden state keeps a share sqrt(std^2 / (std^2 + 2 L)) of the input token's embedding (each
-    of 2 L residual branches adds unit RMS); tied, that is a head start for the input token's
-    logit, ~8 standard deviations at std = 1 for the 1B shape: the model would repeat its input
-    whatever attention computes, and a greedy kernel comparison would test nothing."""
-    if not cfg.tie_word_embeddings:
-        return 1.0
-    return math.sqrt(2 * cfg.num_layers / cfg.hidden_size)
+    hidden state keeps a share sqrt(std^2 / (std^2 + 2 L)) of the input token's embedding; tied
+    at std 1, the input token's logit would lead by ~8 standard deviations (1B shape): the model
+    would repeat its input whatever attention computes, and a kernel comparison test nothing."""
+    return math.sqrt(2 * cfg.num_layers / cfg.hidden_size) if cfg.tie_word_embeddings else 1.0
 
 
 def random_params(cfg: ModelConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
-    """Params in `jaxbatch.model.llama`'s stacked layout (`layers` = one dict of [L, ...]
-    arrays, what the engine runs), built on the default device one layer at a time (`lax.map`),
-    so an 8B model never holds more than one layer's float32 temporaries.
-
-    Embeddings ~ N(0, embedding_std^2), an untied lm_head ~ N(0, 1): logits then have a spread
-    of several units (benchmarks/gpu_e2e.py `logit_std`), so greedy choices are rarely near-ties, and they depend on
-    what attention computes (see `embedding_std`): a kernel-vs-reference comparison tests the
-    kernels, not rounding luck."""
+    """Params in the engine's stacked layout, built one layer at a time (`lax.map`), so an 8B
+    model never holds more than one layer's float32 temporaries. Embeddings ~ N(0,
+    embedding_std^2), an untied lm_head ~ N(0, 1): logits spread over several units, so greedy
+    choices are rarely near-ties and a kernel-vs-reference comparison tests the kernels."""
     if cfg.qkv_bias or cfg.o_bias:
         raise ValueError("random_params builds Llama-shaped models without biases")
-    key = jax.random.key(seed)
-    k_embed, k_head, k_layers = jax.random.split(key, 3)
+    k_embed, k_head, k_layers = jax.random.split(jax.random.key(seed), 3)
     layers = jax.jit(lambda keys: jax.lax.map(_layer_init(cfg, dtype), keys))(
         jax.random.split(k_layers, cfg.num_layers))
     normal = jax.jit(lambda k, shape, std: (jax.random.normal(k, shape, jnp.float32)

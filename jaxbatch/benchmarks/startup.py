@@ -67,8 +67,7 @@ class Startup(Benchmark):
     def add_arguments(self, ap) -> None:
         ap.add_argument("--max-num-seqs", type=int, default=16)
         ap.add_argument("--max-model-len", type=int, default=None)
-        ap.add_argument("--skip-serial", action="store_true",
-                        help="skip the one-thread cold compile")
+        ap.add_argument("--skip-serial", action="store_true", help="skip the one-thread cold compile")
         ap.add_argument("--traced", action="store_true",
                         help="also start from JAX's cache without the stored lowerings")
         ap.add_argument("--repeats", type=int, default=1,
@@ -80,27 +79,26 @@ class Startup(Benchmark):
     def bench(self, loaded, args) -> dict:
         """`loaded` converted the weights into the user cache; each start copies them."""
         from jaxbatch.model.loader import cache_root
-        kwargs = {"max_num_seqs": args.max_num_seqs, "unified_step": args.unified_step}
-        if args.max_model_len:
-            kwargs["max_model_len"] = args.max_model_len
+        kwargs = {"max_num_seqs": args.max_num_seqs, "unified_step": args.unified_step,
+                  **({"max_model_len": args.max_model_len} if args.max_model_len else {})}
         weights = [p for p in Path(cache_root()).iterdir()
                    if p.is_dir() and p.name not in ("xla", "lowered")]
         results = {}
         with tempfile.TemporaryDirectory() as tmp:
             for p in weights:                            # weights only: no compiled code yet
                 shutil.copytree(p, Path(tmp) / p.name)
-            modes = [] if args.skip_serial else [("serial", {"warmup_workers": 1})]
+            modes = [] if args.skip_serial else ["serial"]
             for i in range(args.repeats):
                 tag = "" if args.repeats == 1 else f" {i + 1}"
-                modes += [("cold" + tag, {}), ("warm" + tag, {})]
-                modes += [("traced" + tag, {})] if args.traced else []
-            for mode, extra in modes:
+                modes += [m + tag for m in ("cold", "warm") + (("traced",) if args.traced else ())]
+            for mode in modes:
                 if mode.startswith(("serial", "cold")):
                     shutil.rmtree(Path(tmp) / "xla", ignore_errors=True)
                 if mode.startswith(("serial", "cold", "traced")):
                     shutil.rmtree(Path(tmp) / "lowered", ignore_errors=True)
                 print(f"[bench_startup] {mode} ...", flush=True)
-                results[mode] = run_child(tmp, {**kwargs, **extra})
+                workers = {"warmup_workers": 1} if mode == "serial" else {}
+                results[mode] = run_child(tmp, {**kwargs, **workers})
         return {"settings": kwargs, "results": results}
 
     def markdown(self, report) -> str:

@@ -1,25 +1,15 @@
 """Throughput (`jaxbatch bench throughput`) and latency under arrivals (`jaxbatch bench latency`):
-continuous against static batching on the same compiled steps, same prompts and output lengths,
-with the metrics of `vllm bench serve` and the cost per million output tokens.
+continuous against static batching on the same compiled steps and requests, with `vllm bench
+serve`'s metrics and the cost per million output tokens. (Peers and the GPU, in a checkout:
+`python -m benchmarks throughput-hf`, `throughput-gpu`.)
 
-    jaxbatch bench throughput                                # CPU defaults, a few minutes
-    jaxbatch bench latency --request-rate 1.5                # = throughput --workloads online
-Peers and the GPU run live outside the package (benchmarks/ in the repository):
-    python -m benchmarks throughput-hf                       # + HF transformers' generate
-    python -m benchmarks throughput-gpu [--dry-run]          # random-weight 1B/8B shapes, MBU
-
-Workloads (fixed seeds; every request greedy with ignore_eos=True, so lengths are controlled):
-  offline  --num-requests requests at t=0, prompts drawn uniformly from the bundled set
-           (jaxbatch/benchmarks/data/bench_prompts.json, chat template applied), output lengths
-           round(lognormal(median, sigma)) clipped to [min, max] -- a long tail.
-  online   Poisson arrivals at --request-rate: short requests (short/medium prompts) with long
-           prompts among them; p99 TTFT of the short ones with chunked prefill vs chunking
-           disabled (jaxbatch continuous only). The default of `latency`.
-Every timed jaxbatch run starts from an empty prefix cache.
-
-Timing is wall clock around the timed part only, every engine warmed up first (jaxbatch:
-every bucket compiled; HF: a short untimed run). Output: JSON with every figure, PNG plots and
-a markdown summary printed last, with the cost per million output tokens at --price-per-hour.
+Workloads (seeded; greedy with ignore_eos, so lengths are controlled):
+  offline  --num-requests requests at t=0, bundled prompts (chat template applied) drawn
+           uniformly, output lengths round(lognormal(median, sigma)) clipped to [min, max]
+  online   Poisson arrivals at --request-rate: short prompts with long ones among them; the
+           short ones' TTFT with chunked prefill vs chunking disabled (the default of `latency`)
+Every engine is warmed up first (jaxbatch: every bucket) and every timed jaxbatch run starts
+from an empty prefix cache; timing is wall clock around the timed part only.
 """
 from __future__ import annotations
 
@@ -58,30 +48,28 @@ def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
             first = first or engine
         else:
             runs[name] = peer_runs[name](requests, slots)
-    lens = [r.output_len for r in requests]
-    return {
-        "requests": [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
-                      "output_len": r.output_len} for r in requests],
-        "max_model_len": model_len,
-        "ideal": ideal_ratio(lens, slots),
-        "summaries": {n: {**summarize(run), **step_stats(run, slots), **run.info}
-                      for n, run in runs.items()},
-        "runs": runs,
-    }
+    return {"requests": request_rows(requests), "max_model_len": model_len,
+            "ideal": ideal_ratio([r.output_len for r in requests], slots),
+            "summaries": {n: {**summarize(run), **step_stats(run, slots), **run.info}
+                          for n, run in runs.items()},
+            "runs": runs}
+
+
+def request_rows(requests, arrivals: bool = False) -> list[dict]:
+    return [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
+             "output_len": r.output_len, **({"arrival_s": r.arrival} if arrivals else {})}
+            for r in requests]
 
 
 def bench_online(args, loaded, requests) -> dict:
     """jaxbatch continuous with chunked prefill vs chunking disabled, same arrivals."""
     slots, model_len = args.max_num_seqs, pow2_model_len(requests)
-    longest = max(len(r.prompt_ids) for r in requests)
-    whole = 1 << (longest - 1).bit_length()
-    variants = {
-        # A long prompt takes at most `chunk` tokens a step; the rest of the budget admits
-        # short prompts in the same step.
-        "chunked": (args.online_chunk, slots + args.online_budget_chunks * args.online_chunk),
-        # Chunking disabled: one chunk holds any prompt whole.
-        "unchunked": (whole, slots + whole),
-    }
+    whole = 1 << (max(len(r.prompt_ids) for r in requests) - 1).bit_length()
+    # (chunk, budget). Chunked: a long prompt takes at most `chunk` tokens a step and the rest
+    # of the budget admits short prompts beside it; unchunked: one chunk holds any prompt.
+    variants = {"chunked": (args.online_chunk,
+                            slots + args.online_budget_chunks * args.online_chunk),
+                "unchunked": (whole, slots + whole)}
     runs, summaries = {}, {}
     for name, (chunk, budget) in variants.items():
         engine = jaxbatch_engine(loaded, "continuous", slots, model_len, chunk, budget,
@@ -94,9 +82,9 @@ def bench_online(args, loaded, requests) -> dict:
                            "prefill_chunk_size": chunk, "max_num_batched_tokens": budget,
                            "short_ttft": stats_ms([t.token_times[0] - t.arrival for t in short]),
                            "max_step_ms": 1e3 * max(run.step_seconds)}
-    return {"requests": [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
-                          "output_len": r.output_len, "arrival_s": r.arrival} for r in requests],
-            "request_rate": args.request_rate, "summaries": summaries, "runs": runs}
+    return {"requests": request_rows(requests, arrivals=True), "request_rate": args.request_rate,
+            "summaries": summaries, "runs": runs}
+
 
 def engine_table(summaries, price: dict) -> str:
     rows = [[name, fmt(s["request_throughput"], 2), fmt(s["output_tokens_per_s"]),
@@ -145,19 +133,13 @@ def targets(report, goals=None) -> list[dict]:
         add("online p99 TTFT of short requests, chunked vs unchunked",
             f"{c:.0f} ms vs {u:.0f} ms (max step {on['chunked']['max_step_ms']:.0f} vs "
             f"{on['unchunked']['max_step_ms']:.0f} ms)", "chunked below unchunked", c < u)
-    compiles = {f"{part} {k}": v["compilations_during_timed_run"]
-                for part in ("offline", "online")
+    compiles = {f"{part} {k}": v["compilations_during_timed_run"] for part in ("offline", "online")
                 for k, v in report.get(part, {}).get("summaries", {}).items()
                 if "compilations_during_timed_run" in v}
     if compiles:
         add("compilations after warm-up", ", ".join(f"{k}: {v}" for k, v in compiles.items()),
             "0 everywhere", not any(compiles.values()))
     return rows
-
-
-def targets_table(rows) -> str:
-    return table(["target", "measured", "goal", "status"],
-                 [[r["target"], r["measured"], r["goal"], r["status"]] for r in rows])
 
 
 class Throughput(Benchmark):
@@ -170,9 +152,10 @@ class Throughput(Benchmark):
         ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
         ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
                         default=list(self.workloads))
-        ap.add_argument("--max-num-seqs", type=int, default=None,
-                        help="slots (a peer's batch size); default 16")
-        ap.add_argument("--num-requests", type=int, default=None, help="offline requests; default 32")
+        for flag, what in (("--max-num-seqs", "slots (a peer's batch size); default 16"),
+                           ("--num-requests", "offline requests; default 32"),
+                           ("--max-prompt-len", "truncate prompts to their last N tokens")):
+            ap.add_argument(flag, type=int, default=None, help=what)
         ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
         add_flags(ap, output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0,
                   request_rate=(1.0, "online arrivals per second"),
@@ -182,8 +165,6 @@ class Throughput(Benchmark):
                   online_chunk=(64, "chunked variant's chunk size"),
                   online_budget_chunks=(4, "chunked variant's budget: max_num_seqs + this many "
                                            "chunks"))
-        ap.add_argument("--max-prompt-len", type=int, default=None,
-                        help="truncate prompts to their last N tokens")
         ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
                         help="jaxbatch warm-up: every bucket (default) or an untimed run of "
                              "the same offline workload")
@@ -202,8 +183,7 @@ class Throughput(Benchmark):
                                args.online_output_max)
         args.engine_kwargs = dict(kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization)
-        args.warmup = args.warmup or "buckets"
-        args.max_num_seqs = args.max_num_seqs or 16
+        args.warmup, args.max_num_seqs = args.warmup or "buckets", args.max_num_seqs or 16
         args.num_requests = args.num_requests or 32
         return args
 
@@ -211,8 +191,7 @@ class Throughput(Benchmark):
         args = self.resolve(args)
         report = {"xla_cache": enable_xla_cache(args.xla_cache)}
         entries = load_prompts(args.prompts)
-        kinds = [e["kind"] for e in entries]
-        prompts = encode_prompts(entries, loaded.tokenizer)
+        kinds, prompts = [e["kind"] for e in entries], encode_prompts(entries, loaded.tokenizer)
         if "offline" in args.workloads:
             requests = offline_requests(prompts, kinds, args.num_requests, args.lengths,
                                         args.seed, args.max_prompt_len)
@@ -235,17 +214,17 @@ class Throughput(Benchmark):
         parts, price = [], report["price"]
         if "offline" in report:
             ideal = report["offline"]["ideal"]
-            parts.append(f"Offline: {report['args']['num_requests']} requests, "
-                         f"{report['args']['max_num_seqs']} slots; ideal continuous/static ratio "
-                         f"{ideal['ideal_ratio']:.2f} ({ideal['static_steps']} vs "
-                         f"{ideal['continuous_steps']} decode steps)\n")
-            parts.append(engine_table(report["offline"]["summaries"], price))
+            parts += [f"Offline: {report['args']['num_requests']} requests, "
+                      f"{report['args']['max_num_seqs']} slots; ideal continuous/static ratio "
+                      f"{ideal['ideal_ratio']:.2f} ({ideal['static_steps']} vs "
+                      f"{ideal['continuous_steps']} decode steps)\n",
+                      engine_table(report["offline"]["summaries"], price)]
         if "online" in report:
-            parts.append(f"\nOnline: {report['args']['request_rate']} req/s\n")
-            parts.append(online_table(report["online"], price))
+            parts += [f"\nOnline: {report['args']['request_rate']} req/s\n",
+                      online_table(report["online"], price)]
         if report.get("targets"):
-            parts.append("\nTargets\n")
-            parts.append(targets_table(report["targets"]))
+            parts += ["\nTargets\n", table(["target", "measured", "goal", "status"],
+                                            [list(r.values()) for r in report["targets"]])]
         return "\n".join(parts)
 
 
