@@ -17,11 +17,9 @@ from jaxbatch.benchmarks.report import stats_ms
 
 
 def ideal_ratio(output_lens, slots) -> dict:
-    """Decode steps each batching mode needs for these lengths (prefill ignored; a request holds
-    a slot for exactly its output length in steps, requests are served in order):
-      static      groups of `slots` in order; each group takes max(length in group) steps
-      continuous  FCFS list scheduling: each request takes the slot that frees first; the last
-                  slot to free is the step count (>= the bound ceil(total / slots))."""
+    """Decode steps each batching mode needs for these lengths, served in order, prefill
+    ignored: static takes groups of `slots`, each max(its lengths) steps; continuous gives each
+    request the slot that frees first (FCFS list scheduling), >= ceil(total / slots) steps."""
     static = sum(max(output_lens[i:i + slots]) for i in range(0, len(output_lens), slots))
     free_at = [0] * slots
     for n in output_lens:
@@ -95,12 +93,11 @@ def step_stats(run: RunResult, slots: int) -> dict:
 
 
 def step_time_split(steps, step_seconds) -> dict:
-    """Where a run's step time went: steps carrying a prefill chunk vs decode-only steps (one
-    token per sequence), and the median decode-only step by rows (a power of two, as the
-    runner pads them). Works on bench.json's "steps" and "step_seconds" too."""
+    """Where a run's step time went: steps with a prefill chunk vs decode-only ones, and the
+    median decode-only step by rows padded to a power of two, as the runner pads them."""
     decode = [(s[1], dt) for s, dt in zip(steps, step_seconds) if s[3] == s[1]]
     prefill = [dt for s, dt in zip(steps, step_seconds) if s[3] != s[1]]
-    by_rows: dict[int, list[float]] = {}
+    by_rows = {}
     for rows, dt in decode:
         by_rows.setdefault(1 << (rows - 1).bit_length(), []).append(dt)
     return {"prefill_steps": len(prefill), "prefill_step_seconds": float(sum(prefill)),
@@ -109,6 +106,7 @@ def step_time_split(steps, step_seconds) -> dict:
             "mean_rows_per_decode_step": float(np.mean([r for r, _ in decode])) if decode else 0.0,
             "decode_step_ms_by_rows": {r: {"steps": len(v), "median_ms": 1e3 * float(np.median(v))}
                                        for r, v in sorted(by_rows.items())}}
+
 
 def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=None, **kw):
     from jaxbatch.engine.llm_engine import LLMEngine
@@ -127,8 +125,7 @@ def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
     traces = {r.rid: Trace(r.rid, r.kind, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     bar = tqdm(total=len(requests), desc=label, disable=not progress, leave=False)
-    step_seconds = []
-    start = time.monotonic()
+    step_seconds, start = [], time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic()
         while pending and start + pending[0].arrival <= now:
@@ -151,8 +148,7 @@ def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
             bar.update(out.finished)
     bar.close()
     stats = engine.stats()
-    steps = [(t - start, seqs, blocks, tokens)
-             for t, seqs, blocks, tokens in engine.step_log[first_step:]]
+    steps = [(t - start, *rest) for t, *rest in engine.step_log[first_step:]]
     info = {"compilations_before": before, "compilations_after": stats["num_compilations"],
             "compilations_during_timed_run": stats["num_compilations"] - before,
             "warmup_seconds": engine.warmup_seconds, "compile_seconds": stats["compile_seconds"],
@@ -162,9 +158,8 @@ def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
 
 
 def warm_jaxbatch(engine, requests, mode):
-    """'buckets': compile every bucket (the runtime then never compiles, whatever arrives);
-    'workload': an untimed run of the same requests at t=0 (scheduling is deterministic, so an
-    offline run compiles exactly what its timed twin needs; cheaper on a GPU than all buckets)."""
+    """'buckets': compile every bucket; 'workload': an untimed run of the same requests at t=0
+    (scheduling is deterministic: it compiles what its offline twin needs, cheaper on a GPU)."""
     if mode == "buckets":
         engine.warmup()
     else:
@@ -175,10 +170,9 @@ def warm_jaxbatch(engine, requests, mode):
 
 
 def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=None, **kw):
-    """An engine ready to time. With `shared`, it reuses that engine's runner (compiled steps
-    and KV pool): static and continuous then run identical executables, and a runner warmed on
-    every bucket needs no second warm-up. A workload warm-up still runs, since the other mode's
-    schedule may touch buckets this one did not."""
+    """An engine ready to time. With `shared`, it reuses that engine's runner (compiled steps,
+    KV pool): static and continuous run identical executables, and a runner warmed on every
+    bucket needs no second warm-up (a workload warm-up still runs: schedules differ)."""
     engine = jaxbatch_engine(loaded, batching, slots, model_len,
                              runner=shared.runner if shared is not None else None, **kw)
     if shared is None or mode == "workload":
@@ -187,8 +181,8 @@ def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=Non
 
 
 def pow2_model_len(requests, block_size=16) -> int:
-    """Smallest length with a power-of-two page count that fits every request, so the set of
-    page buckets (and compilations) is no larger than the workload needs."""
+    """Smallest length with a power-of-two page count that fits every request: no more page
+    buckets (and compilations) than the workload needs."""
     need = max(len(r.prompt_ids) + r.output_len for r in requests) + 1
     pages = 1 << max(0, math.ceil(need / block_size) - 1).bit_length()
     return pages * block_size

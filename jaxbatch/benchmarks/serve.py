@@ -55,9 +55,8 @@ def markdown(report: dict, notes=()) -> str:
     rows = []
     for run in report["runs"]:
         s, h = run["summary"], run["summary"]["health"]
-        health = "/".join(fmt(h[k], 1) for k in ("p50_ms", "p99_ms", "max_ms"))
-        if h["non_200"]:
-            health += f" ({h['non_200']} non-200)"
+        health = "/".join(fmt(h[k], 1) for k in ("p50_ms", "p99_ms", "max_ms")) + (
+            f" ({h['non_200']} non-200)" if h["non_200"] else "")
         rows.append([run["target"], rate_label(s["request_rate"], s["max_concurrency"]),
                      f"{s['completed']}/{s['failed']}", fmt(s["request_throughput"], 2),
                      fmt(s["output_tokens_per_s"]), cost_cell(s["output_tokens_per_s"], price),
@@ -68,11 +67,9 @@ def markdown(report: dict, notes=()) -> str:
              "total tok/s", "TTFT mean/med/p99 ms", "TPOT mean/med/p99 ms",
              "ITL mean/med/p99 ms", "E2EL mean/med/p99 ms"]
             + (["goodput req/s"] if goodput else []) + ["/health p50/p99/max ms"])
-    parts = [table(head, rows)] + list(notes)
-    for name, info in report.get("servers", {}).items():
-        if info.get("error"):
-            parts.append(f"\n{name}: {info['error']}")
-    return "\n".join(parts)
+    return "\n".join([table(head, rows), *notes] + [
+        f"\n{name}: {info['error']}" for name, info in report.get("servers", {}).items()
+        if info.get("error")])
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -121,19 +118,17 @@ def bench_target(name, base, args, workload, report, between=None):
     """Warm-up, then every (rate, concurrency) run against one server, --rounds times;
     `between()` after each round (the interleaved offline pass)."""
     print(f"[{name}] warm-up: {args.warmup}", flush=True)
-    warm = asyncio.run(warm_up(base, workload, args.api, args.model, args.warmup,
-                               args.num_warmups, args.max_tokens_field, args.extra_body,
-                               args.api_key))
-    report["servers"].setdefault(name, {})["warmup"] = warm
+    options = dict(api=args.api, model=args.model, max_tokens_field=args.max_tokens_field,
+                   extra_body=args.extra_body, api_key=args.api_key)
+    report["servers"].setdefault(name, {})["warmup"] = asyncio.run(
+        warm_up(base, workload, args.warmup, args.num_warmups, **options))
     for round_ in range(args.rounds):
         for conc, rate in itertools.product(args.max_concurrency, args.request_rate):
             label = f"[{name}] rate {rate_label(rate, conc)}"
             print(f"{label} ...", flush=True)
-            out = asyncio.run(run_load(
-                base, workload, rate=rate, max_concurrency=conc, api=args.api, model=args.model,
-                goodput=args.goodput, health_interval=args.health_interval or None,
-                max_tokens_field=args.max_tokens_field, extra_body=args.extra_body,
-                api_key=args.api_key))
+            out = asyncio.run(run_load(base, workload, rate=rate, max_concurrency=conc,
+                                       goodput=args.goodput, **options,
+                                       health_interval=args.health_interval or None))
             s = out["summary"]
             print(f"{label}: {s['completed']}/{s['num_requests']} done, "
                   f"{fmt(s['output_tokens_per_s'])} out tok/s, TTFT median "
@@ -194,7 +189,6 @@ class Serve(Benchmark):
         """After every round of every server."""
 
     def notes(self, args, report, workload) -> list[str]:
-        """Lines the markdown adds under the table."""
         return []
 
     def bench(self, _, args) -> dict:
@@ -220,7 +214,3 @@ class Serve(Benchmark):
 
 
 main = Serve().main
-
-
-if __name__ == "__main__":
-    main()

@@ -321,13 +321,10 @@ async def served_model(client, base: str) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def warm_up(base, workload, api, model, how: str, num: int, max_tokens_field, extra,
-                  api_key=None):
+async def warm_up(base, workload, how: str, num: int, **request_options):
     """Untimed: `requests` sends the first `num` requests at once; `workload` the whole
     workload at once (compiles what the timed runs will need, on servers that compile lazily)."""
     if how == "none":
         return None
     reqs = workload if how == "workload" else workload[:num]
-    out = await run_load(base, reqs, api=api, model=model, health_interval=None,
-                         max_tokens_field=max_tokens_field, extra_body=extra, api_key=api_key)
-    return out["summary"]
+    return (await run_load(base, reqs, health_interval=None, **request_options))["summary"]
