@@ -15,28 +15,21 @@ import tempfile
 import numpy as np
 
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
-
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def matrix_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(in, out) of each target matrix."""
-    q, kv, d, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-        cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-
 
 def write_random_adapter(folder: str, cfg, rank: int, seed: int) -> None:
     """A PEFT LoRA directory: A [r, in] and B [out, r] per layer and target, small random values."""
     from safetensors.numpy import save_file
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for module, (n_in, n_out) in matrix_shapes(cfg).items():
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    targets = {"q_proj": ("self_attn", d, q), "k_proj": ("self_attn", d, kv),
+               "v_proj": ("self_attn", d, kv), "o_proj": ("self_attn", q, d),
+               "gate_proj": ("mlp", d, f), "up_proj": ("mlp", d, f), "down_proj": ("mlp", f, d)}
+    rng, tensors = np.random.default_rng(seed), {}
+    for module, (block, n_in, n_out) in targets.items():
         for layer in range(cfg.num_layers):
-            prefix = f"base_model.model.model.layers.{layer}.{TARGETS[module]}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) /
                                                   np.sqrt(n_in)).astype(np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((n_out, rank)) *
@@ -45,7 +38,7 @@ def write_random_adapter(folder: str, cfg, rank: int, seed: int) -> None:
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                   "target_modules": list(TARGETS), "use_rslora": False, "bias": "none"}, f)
+                   "target_modules": list(targets), "use_rslora": False, "bias": "none"}, f)
 
 
 class LoRA(ABBenchmark):
@@ -53,11 +46,9 @@ class LoRA(ABBenchmark):
 
     def add_arguments(self, ap) -> None:
         ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-        ap.add_argument("--max-loras", type=int, default=4)
-        ap.add_argument("--rank", type=int, default=16)
-        ap.add_argument("--model", default="small", help="a shape of random_models.MODEL_SHAPES")
+        add_flags(ap, max_loras=4, rank=16, tokens=(24, "tokens per request"),
+                  model=("small", "a shape of random_models.MODEL_SHAPES"))
         ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-        ap.add_argument("--tokens", type=int, default=24, help="tokens per request")
 
     def load(self, args):
         from jaxbatch.benchmarks.random_models import random_model
@@ -66,8 +57,7 @@ class LoRA(ABBenchmark):
     def bench(self, loaded, args) -> dict:
         from jaxbatch import LoRARequest, SamplingParams
         from jaxbatch.engine.llm_engine import LLMEngine
-        root = tempfile.mkdtemp(prefix="jaxbatch-lora-bench-")
-        adapters = []
+        root, adapters = tempfile.mkdtemp(prefix="jaxbatch-lora-bench-"), []
         for i in range(args.max_loras):
             write_random_adapter(os.path.join(root, str(i)), loaded.config, args.rank, seed=i)
             adapters.append(LoRARequest(f"adapter{i}", i + 1, os.path.join(root, str(i))))

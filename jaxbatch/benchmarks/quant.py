@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms, tok_s_cells
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
 
 BLOCK_SIZE = 16
@@ -24,8 +25,7 @@ VARIANTS = ("f32_kv", "int8_kv", "int8_weights", "int8_both")
 
 def capacity(cfg, budget, context):
     from jaxbatch.worker.kv_cache import blocks_for_budget, bytes_per_block
-    pages = -(-context // BLOCK_SIZE)
-    rows = {}
+    pages, rows = -(-context // BLOCK_SIZE), {}
     for name, dtype, kv in (("float32", jnp.float32, "auto"), ("bfloat16", jnp.bfloat16, "auto"),
                             ("int8", jnp.float32, "int8")):
         blocks = blocks_for_budget(cfg, BLOCK_SIZE, dtype, budget, kv)
@@ -36,8 +36,7 @@ def capacity(cfg, budget, context):
 
 
 def run(engine, requests) -> dict:
-    out = drive(engine, requests)
-    slots = engine.config.max_num_seqs
+    out, slots = drive(engine, requests), engine.config.max_num_seqs
     assert out["stats"]["num_compilations"] == 0, "compiled after warm-up"
     return {"max_num_seqs": slots, "seconds": out["duration_s"],
             "output_tokens_per_s": out["output_tokens_per_s"],
@@ -49,18 +48,15 @@ class Quant(ABBenchmark):
     rounds = 1
 
     def add_arguments(self, ap) -> None:
-        ap.add_argument("--context", type=int, default=256, help="max_model_len, tokens per sequence")
-        ap.add_argument("--base-seqs", type=int, default=8,
-                        help="the budget is what this many full float32 sequences need")
-        ap.add_argument("--requests", type=int, default=64)
+        add_flags(ap, context=(256, "max_model_len, tokens per sequence"), requests=64,
+                  base_seqs=(8, "the budget is what this many full float32 sequences need"))
         ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
 
     def bench(self, loaded, args) -> dict:
         from jaxbatch import SamplingParams
         from jaxbatch.engine.llm_engine import LLMEngine
         from jaxbatch.worker.kv_cache import bytes_per_block
-        cfg = loaded.config
-        pages = -(-args.context // BLOCK_SIZE)
+        cfg, pages = loaded.config, -(-args.context // BLOCK_SIZE)
         budget = (args.base_seqs * pages + 1) * bytes_per_block(cfg, BLOCK_SIZE, jnp.float32)
         cap = capacity(cfg, budget, args.context)
         rng, half = np.random.default_rng(args.seed), args.context // 2

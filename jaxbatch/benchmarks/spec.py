@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, tok_s_cells
+from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, chat_ids,
                                            encode_prompts, lognormal_lengths, load_prompts)
@@ -23,9 +24,8 @@ TYPOS = [("the ", "teh "), ("and ", "adn "), ("with ", "wiht "), ("for ", "fro "
 
 
 def repetitive_prompts(tokenizer) -> list[list[int]]:
-    paragraphs = [p for p in SYSTEM_PROMPT.read_text().split("\n\n") if len(p) > 300]
     prompts = []
-    for text in paragraphs:
+    for text in [p for p in SYSTEM_PROMPT.read_text().split("\n\n") if len(p) > 300]:
         for good, bad in TYPOS:
             text = text.replace(good, bad, 1)
         prompts.append(chat_ids(tokenizer, [{"role": "user", "content":
@@ -48,12 +48,9 @@ class Spec(ABBenchmark):
     name = "spec"
 
     def add_arguments(self, ap) -> None:
-        ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-        ap.add_argument("--max-batch-size", type=int, default=4)
+        add_flags(ap, k=(3, "num_speculative_tokens"), max_batch_size=4, requests_per_slot=2,
+                  repetitive_output=96, prompts=str(DEFAULT_PROMPTS))
         ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-        ap.add_argument("--requests-per-slot", type=int, default=2)
-        ap.add_argument("--repetitive-output", type=int, default=96)
-        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
 
     def bench(self, loaded, args) -> dict:
         from jaxbatch import SamplingParams
@@ -84,9 +81,7 @@ class Spec(ABBenchmark):
 
     def markdown(self, report) -> str:
         price, rows = report["price"], []
-        for key, e in report.items():
-            if "@" not in key:
-                continue
+        for key, e in ((k, e) for k, e in report.items() if "@" in k):
             off, on = e["off"], e["on"]
             rows.append([key, *tok_s_cells(off["output_tokens_per_s"], price),
                          *tok_s_cells(on["output_tokens_per_s"], price), f"{e['speedup']:.2f}",
