@@ -39,7 +39,7 @@ class Benchmark:
 
     def load(self, args):
         from jaxbatch.model.loader import load_model
-        return load_model(dtype="float32")
+        return load_model(dtype=getattr(args, "dtype", "float32"))
 
     def bench(self, loaded, args) -> dict:
         raise NotImplementedError

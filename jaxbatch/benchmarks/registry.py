@@ -6,8 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-# What a user runs to decide, by module name; the diagnostics, peer drivers and GPU harness are
-# `python -m benchmarks` in the repository.
+# What a user runs to decide, by module name (the lab's instruments: `python -m benchmarks`).
 BENCHMARKS = {
     "throughput": "offline throughput: continuous vs static batching on the same compiled "
                   "steps, $ per million tokens",
@@ -36,18 +35,6 @@ def usage(prog: str, names: dict[str, str], footer=FOOTER) -> str:
                      + [""] + list(footer))
 
 
-def load(module: str):
-    """The benchmark's module, or None (with a message on stderr) when it is not there."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise       # the benchmark exists but something it imports does not: show that
-        print(f"this installation has no {module} ({module.replace('.', '/')}.py is missing)",
-              file=sys.stderr)
-        return None
-
-
 def dispatch(argv, prog: str, names: dict[str, str], module_of, footer=FOOTER) -> int:
     """Lists `names` or runs one: `module_of(name)`'s `main(rest of argv)`."""
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -57,8 +44,13 @@ def dispatch(argv, prog: str, names: dict[str, str], module_of, footer=FOOTER) -
         print(f"{prog}: unknown benchmark {argv[0]!r}\n\n{usage(prog, names, footer)}",
               file=sys.stderr)
         return 2
-    module = load(module_of(argv[0]))
-    if module is None:
+    try:
+        module = importlib.import_module(name := module_of(argv[0]))
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise       # the benchmark exists but something it imports does not: show that
+        print(f"this installation has no {name} ({name.replace('.', '/')}.py is missing)",
+              file=sys.stderr)
         return 2
     result = module.main(argv[1:])
     return result if isinstance(result, int) else 0

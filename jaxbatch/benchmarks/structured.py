@@ -50,10 +50,6 @@ class Structured(ABBenchmark):
         add_flags(ap, num_requests=64, max_num_seqs=32, output_median=24.0, output_max=96,
                   max_prompt_len=512, dtype="auto")
 
-    def load(self, args):
-        from jaxbatch.model.loader import load_model
-        return load_model(dtype=args.dtype)
-
     def bench(self, loaded, args) -> dict:
         entries = workloads.load_prompts()
         requests = workloads.offline_requests(
