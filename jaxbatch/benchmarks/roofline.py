@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from jaxbatch.benchmarks.base import Benchmark
+from jaxbatch.benchmarks.base import Benchmark, add_flags
 from jaxbatch.benchmarks.machine import cpu_count
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table
@@ -106,6 +106,7 @@ def matmul_params(cfg) -> int:
 
 
 def kv_bytes_read(engine, lengths) -> int:
+    """The KV bytes a decode step over sequences of these lengths reads."""
     cfg, itemsize = engine.model_config, np.dtype(engine.runner.pool[0].dtype).itemsize
     return int(sum(lengths)) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
@@ -152,13 +153,8 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
     for _ in range(steps):
         engine.async_scheduling = False
         engine.step()
-        lengths = [s.num_tokens for s in engine.scheduler.running]
-        first = len(engine.step_log)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        check_steady(engine, rows, first, 1)
-        kv.append(kv_bytes_read(engine, lengths))
+        kv.append(kv_bytes_read(engine, [s.num_tokens for s in engine.scheduler.running]))
+        times.append(timed_steps(engine, rows, 1))
         periods.append(overlapped_period(engine, rows, OVERLAPPED_STEPS))
     weights, kv_read = model_bytes(engine.runner.params), statistics.median(kv)
     bandwidth_floor = (weights + kv_read) / bandwidth
@@ -183,21 +179,21 @@ def overlapped_period(engine, rows: int, steps: int) -> float:
     The first call (dispatch only) is not timed."""
     engine.async_scheduling = True
     engine.step()
-    first = len(engine.step_log)
-    start = time.perf_counter()
+    return timed_steps(engine, rows, steps)
+
+
+def timed_steps(engine, rows: int, steps: int) -> float:
+    """Seconds per step of `steps` consecutive `step()` calls, each of which must have
+    dispatched a decode step of all `rows` sequences: a timed step of fewer rows would be a
+    smaller step than the one named."""
+    first, start = len(engine.step_log), time.perf_counter()
     for _ in range(steps):
         engine.step()
-    period = (time.perf_counter() - start) / steps
-    check_steady(engine, rows, first, steps)
-    return period
-
-
-def check_steady(engine, rows: int, first: int, steps: int) -> None:
-    """The steps since step_log[first] were `steps` decode steps of all `rows` sequences: a timed
-    step of fewer rows would be a smaller step than the one named."""
+    seconds = (time.perf_counter() - start) / steps
     dispatched = engine.step_log[first:]
     if len(dispatched) != steps or any(num_seqs != rows for _, num_seqs, _, _ in dispatched):
         raise RuntimeError(f"{rows} rows: left steady decode in a timed step")
+    return seconds
 
 
 def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
@@ -244,9 +240,8 @@ class Roofline(Benchmark):
 
     def add_arguments(self, ap) -> None:
         ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-        ap.add_argument("--context", type=int, default=256, help="a power of two")
-        ap.add_argument("--steps", type=int, default=20, help="timed rounds per row count")
-        ap.add_argument("--prefill-tokens", type=int, default=256)
+        add_flags(ap, context=(256, "a power of two"), prefill_tokens=256,
+                  steps=(20, "timed rounds per row count"))
         ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
         add_model_arguments(ap)
 

@@ -78,30 +78,25 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
                        t0: float, clock=time.perf_counter) -> RequestResult:
     """One streaming request; fills `result` with times relative to t0 (on `clock`)."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    chunks_seen = 0
-    result.sent = clock() - t0
+    chunks_seen, result.sent = 0, clock() - t0
     try:
         async with client.stream("POST", base + path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error, result.end = f"HTTP {resp.status_code}: {text[:300]}", clock() - t0
                 return result
-            done = False
             async for line in resp.aiter_lines():
                 now = clock() - t0
                 if not line.startswith("data:"):
                     continue        # blank separators, ": keep-alive" comments, event: lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+                if (data := line[5:].strip()) == "[DONE]":
                     break
                 msg = json.loads(data)
                 if "error" in msg:
                     result.error = f"stream error: {json.dumps(msg['error'])[:300]}"
                     break
                 for choice in msg.get("choices") or []:
-                    text = _chunk_text(api, choice)
-                    if text:
+                    if text := _chunk_text(api, choice):
                         result.chunk_times.append(now)
                         result.text_chars += len(text)
                         chunks_seen += 1
@@ -110,17 +105,15 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
                 if usage := msg.get("usage"):
                     result.prompt_tokens = usage.get("prompt_tokens")
                     result.output_tokens = usage.get("completion_tokens")
-            result.end = clock() - t0
-            if result.error is None and not done:
+            else:
                 result.error = "stream ended without data: [DONE]"
+            result.end = clock() - t0
     except Exception as e:      # connection refused/reset, timeouts, bad JSON
         result.error, result.end = f"{type(e).__name__}: {e}"[:300], clock() - t0
         return result
     if result.error is None:
-        if result.output_tokens is None:
-            # No usage chunk (server ignores include_usage): count chunks, and say so.
-            result.usage_missing = True
-            result.output_tokens = chunks_seen
+        if result.output_tokens is None:    # no usage chunk: count chunks, and say so
+            result.usage_missing, result.output_tokens = True, chunks_seen
         result.ok = result.output_tokens > 0 and bool(result.chunk_times)
         if not result.ok:
             result.error = "no output tokens"
