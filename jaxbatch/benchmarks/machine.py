@@ -13,9 +13,8 @@ INTERESTING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"
                      "amx_tile")
 
 # On-demand list prices, USD per vCPU-hour, Linux, us-east-1, of the general-purpose AWS family
-# matching the CPU vendor (m7i.large = 2 vCPU Intel Sapphire Rapids $0.1008/h; m7a.large = 2 vCPU
-# AMD EPYC Genoa $0.11592/h). Checked against AWS's price list when written (2026-12); pass
-# --price-per-hour for any other machine or price.
+# of the CPU's vendor (m7i.large: 2 vCPU Sapphire Rapids; m7a.large: 2 vCPU Genoa), checked
+# against AWS's price list when written (2026-12).
 CPU_PRICES = {
     "intel": (0.0504, "AWS m7i on-demand (us-east-1), $0.0504 per vCPU-hour"),
     "amd": (0.05796, "AWS m7a on-demand (us-east-1), $0.05796 per vCPU-hour"),

@@ -40,8 +40,7 @@ def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> l
 
 def arrivals_run(engine, requests) -> dict:
     """The requests at their arrival times (harness.py); TTFT counts from the arrival."""
-    run = run_jaxbatch(engine, requests, "prefix", progress=False)
-    s = summarize(run)
+    s = summarize(run := run_jaxbatch(engine, requests, "prefix", progress=False))
     return {"output_tokens_per_s": s["output_tokens_per_s"], "duration_s": s["duration_s"],
             "ttft_mean_ms": s["ttft"]["mean_ms"], "ttft_median_ms": s["ttft"]["median_ms"],
             "compilations": run.info["compilations_during_timed_run"]}
@@ -56,8 +55,8 @@ def multi_turn_run(engine, tokenizer, questions, conversations, turns, output_le
                  for i in range(conversations)]
     params, turns_run = SamplingParams(temperature=0, max_tokens=output_len), []
     for turn in range(turns):
-        run = drive(engine, [(chat_ids(tokenizer, h), params) for h in histories])
-        turns_run.append(run)
+        turns_run.append(run := drive(engine, [(chat_ids(tokenizer, h), params)
+                                               for h in histories]))
         for history, text in zip(histories, run["texts"]):
             history += [{"role": "assistant", "content": text},
                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
@@ -101,23 +100,21 @@ class Prefix(ABBenchmark):
                                                        args.turns, args.output_len),
                 "no_sharing": lambda e: arrivals_run(e, distinct[:args.distinct_requests])}
 
-        def measure(workload):
-            def one(name, _round):
-                engine = engines[name]
-                engine.reset_prefix_cache()
-                before = engine.stats()
-                figures, after = runs[workload](engine), engine.stats()
-                queried, hits = (after[k] - before[k] for k in ("prefix_cache_queries",
-                                                                "prefix_cache_hits"))
-                return {**figures, "queried_tokens": queried, "hit_tokens": hits,
-                        "hit_rate": hits / queried if queried else 0.0}
-            return one
+        def measure(workload, name):
+            engine = engines[name]
+            engine.reset_prefix_cache()
+            before = engine.stats()
+            figures, after = runs[workload](engine), engine.stats()
+            queried, hits = (after[k] - before[k] for k in ("prefix_cache_queries",
+                                                            "prefix_cache_hits"))
+            return {**figures, "queried_tokens": queried, "hit_tokens": hits,
+                    "hit_rate": hits / queried if queried else 0.0}
         report = {"settings": {"prefill_chunk_size": on.config.prefill_chunk_size},
                   "warmup_seconds": on.warmup_seconds}
         for w in WORKLOADS:
-            report[w] = compare(engines, args.rounds, measure(w), same_outputs=w == "multi_turn",
-                                keep=("ttft_mean_ms", "ttft_median_ms", "output_tokens_per_s"),
-                                base="off")
+            report[w] = compare(engines, args.rounds, lambda name, _, w=w: measure(w, name),
+                                same_outputs=w == "multi_turn", base="off",
+                                keep=("ttft_mean_ms", "ttft_median_ms", "output_tokens_per_s"))
         report["shared_system"]["prompt_tokens_mean"] = float(np.mean(
             [len(r.prompt_ids) for r in shared]))
         return report

@@ -1,31 +1,20 @@
 """Load generator for any OpenAI-compatible server (jaxbatch, vLLM, llama.cpp, ...): streaming
-chat or completions requests with Poisson arrivals, reporting what `vllm bench serve` reports,
-plus /health latency measured while the server is under that load.
+requests with Poisson arrivals, `vllm bench serve`'s figures, and /health latency under load.
 
     jaxbatch bench serve --target continuous=http://127.0.0.1:8000 \\
         --target vllm=http://127.0.0.1:8100 --request-rate 1 2 4 inf --goodput ttft:2000 tpot:500
     jaxbatch bench serve --target x=http://127.0.0.1:8000 --request-rate inf --max-concurrency 1 4 16
-    # servers started here, one at a time, and served against offline (a checkout's lab):
-    python -m benchmarks serve-launch --launch jaxbatch-continuous vllm --offline-baseline
 
-Workload (fixed seed, the same for every target and rate): --num-prompts requests, each a
-bundled prompt drawn uniformly (chat: one user message; completions: the raw text) and a
-max_tokens of round(lognormal(median, sigma)) clipped to [min, max]; greedy with ignore_eos,
-so every request generates exactly max_tokens tokens. Arrival gaps: one draw of standard
-exponentials scaled by 1 / rate (inf: all at t=0); --max-concurrency caps the requests in
-flight (a request waiting for a slot is not timed, as in vLLM).
-
-Metrics, as `vllm bench serve` computes them: TTFT = first chunk carrying text - request sent;
-E2EL = last byte - request sent; TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = every gap
-between chunks carrying text, pooled; token counts from the server's `usage`, never from chunk
-counts; throughputs over the first send to the last finish; goodput = requests meeting every
---goodput SLO, per second. /health is polled every --health-interval s during the timed run
-(its p99 is a serving target). Output: <out>/bench_serve.json (every request's timings), .md
-(the table, also printed) and bench_serve.png (TTFT and TPOT against rate).
-
-Warm-up (untimed, per target): by default the whole workload at once, so a server that compiles
-lazily does it there; a server with prefix caching then holds every prompt for the timed runs
-(turn it off on the server to measure cold prompts).
+Workload (seeded, the same for every target and rate): --num-prompts bundled prompts drawn
+uniformly, max_tokens round(lognormal(median, sigma)) clipped to [min, max], greedy with
+ignore_eos; arrival gaps one draw of exponentials scaled by 1 / rate (inf: all at t=0);
+--max-concurrency caps the requests in flight (waiting for a slot is not timed, as in vLLM).
+Metrics as vLLM's: TTFT = first chunk with text - sent; E2EL = last byte - sent; TPOT = (E2EL
+- TTFT) / (output tokens - 1); ITL = gaps between chunks with text; token counts from `usage`;
+goodput = requests meeting every --goodput SLO per second. Output: <out>/bench_serve.json, .md
+and .png (TTFT and TPOT against rate). Warm-up (untimed, per target): by default the whole
+workload at once, so a lazily compiling server compiles there (and a prefix cache holds every
+prompt for the timed runs: turn it off on the server to measure cold prompts).
 """
 from __future__ import annotations
 
