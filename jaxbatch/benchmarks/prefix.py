@@ -1,11 +1,8 @@
-"""Prefix caching, on vs off, warm, on the embedded model:
-
-  shared_system  chat requests at --prefix-rate (Poisson) sharing one ~850-token system prompt
-  multi_turn     conversations whose every turn resends the whole history plus a new question
-  no_sharing     the bundled prompts, each once, at t=0: hashing is all the cache adds
-
-Both engines share one runner, warmed on every bucket; each run starts from an empty cache; on
-and off take turns --repeats times, medians reported; greedy outputs must be equal (reported).
+"""Prefix caching, on vs off, on one runner warmed on every bucket (the embedded model):
+shared_system (Poisson arrivals at --prefix-rate sharing one ~850-token system prompt),
+multi_turn (every turn resends the conversation) and no_sharing (the bundled prompts once, at
+t=0: hashing is all the cache adds). Each run starts from an empty cache; on and off take turns
+--repeats times, medians reported; greedy outputs must be equal (reported).
 
     jaxbatch bench prefix [--repeats 2] [--out bench_out] [--price-per-hour USD]
 """

@@ -2,13 +2,11 @@
 
     jaxbatch bench quant [--context 256] [--base-seqs 8] [--requests 64] [--rounds 1] [--out DIR]
 
-The budget is what --base-seqs float32 sequences of --context tokens need; at it, the blocks a
-float32, bfloat16 and int8 cache get (scales counted) and the largest max_num_seqs that fits.
-The same requests (prompts of context/2 tokens, greedy outputs of mixed lengths, ignore_eos),
-warmed up, in turns --rounds times, through f32_kv (the float32 cache's batch, the baseline),
-int8_kv (the int8 cache's batch), int8_weights (f32 KV, baseline batch) and int8_both: output
-tokens/s and the median full-batch decode step. (One step alone: `python -m benchmarks
-quant-step`.)
+The budget is what --base-seqs float32 sequences of --context tokens need: the blocks a float32,
+bfloat16 and int8 cache get from it and the largest max_num_seqs that fits. The same requests
+(mixed output lengths, ignore_eos), in turns --rounds times, through f32_kv (the baseline),
+int8_kv (the int8 cache's batch), int8_weights and int8_both: output tokens/s and the median
+full-batch decode step. (One step alone: `python -m benchmarks quant-step`.)
 """
 from __future__ import annotations
 

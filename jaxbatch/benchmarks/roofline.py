@@ -1,15 +1,12 @@
 """The engine's steps against the physical floor of this machine, measured in the same run.
 
 Probes: copy bandwidth (a jitted in-place pass over 512 MB), read bandwidth (a max over 512 MB,
-one numpy call per core) and the GEMM peak (a 2048^3 matmul in the weights' dtype, the faster
-of XLA's dot and our packed kernel). A decode step's floor is the larger of (weight + KV bytes)
-/ copy bandwidth and its matmul FLOPs / GEMM peak; the sequential floor adds the KV read at the
-read rate to the matmuls' floor; "reachable / bandwidth floor" is the lowest ratio any
-implementation could show here; a prefill chunk's floor is its FLOPs / GEMM peak.
-
-Decode: `rows` requests in lockstep, every length inside (ctx/2, ctx]; --steps rounds, each
-timing one step without host/device overlap, then consecutive steps with it (the period at
-which the engine decodes); medians. Prefill: one --prefill-tokens request's single step.
+one numpy call per core), GEMM peak (a 2048^3 matmul in the weights' dtype, XLA's dot or our
+packed kernel, the faster). A decode step's floor: the larger of (weight + KV bytes) / copy
+bandwidth and its matmul FLOPs / GEMM peak; its sequential floor adds the KV read at the read
+rate to the matmuls'; a prefill chunk's: its FLOPs / GEMM peak. Decode: `rows` requests in
+lockstep, every length in (ctx/2, ctx]; --steps rounds, each timing one step without
+host/device overlap, then consecutive steps with it; medians. Prefill: one request's one step.
 
     jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]
 """

@@ -1,12 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup), on vs off, warm, on the embedded model: output
-tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop) on two workloads:
-
-  repetitive  "correct this paragraph" requests with a few typos: the answer mostly copies
-  default     the bundled prompts, chat template applied
-
-Both engines share one runner; on/off take turns --repeats times, medians reported; greedy
-tokens must be equal on and off (reported). What a row costs a decode step (which sets
-`max_batch_size`) is in `jaxbatch bench throughput`'s `decode_step_ms_by_rows`.
+"""Speculative decoding (n-gram prompt lookup), on vs off on one runner (the embedded model):
+output tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop) on `repetitive`
+("correct this paragraph" prompts: the answer mostly copies) and `default` (the bundled
+prompts). On and off take turns --repeats times, medians reported; greedy tokens must be equal
+(reported). What a row costs a decode step is `bench throughput`'s `decode_step_ms_by_rows`.
 
     jaxbatch bench spec [--repeats 2] [--k 3] [--out bench_out] [--price-per-hour USD]
 """

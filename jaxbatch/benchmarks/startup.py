@@ -1,13 +1,10 @@
-"""Start-up cost of the embedded model: `LLM()` to first token, cold and from the caches.
+"""Start-up cost of the embedded model: `LLM()` to first token, each start a fresh process in a
+private cache root holding the converted weights: cold (nothing compiled on disk), warm (what
+cold left: stored lowerings, JAX's cache), traced (--traced: JAX's cache only) and serial (cold
+on one thread). Reports load, warm-up (wall and CPU s, lower / compile split), executables,
+time to first token and the load average at the end.
 
     jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--no-unified-step]
-
-Each start is a fresh Python process in a private cache root holding the converted weights:
-  cold    nothing compiled on disk: every bucket traced, lowered and compiled
-  warm    what the cold start left: lowered functions read back, executables from JAX's cache
-  traced  (--traced) JAX's cache only: every bucket traced and lowered again
-plus `serial`, the cold compile on one thread. Reports load, warm-up (wall and CPU seconds,
-lower / compile split), executables, time to first token and the load average at the end.
 """
 from __future__ import annotations
 
