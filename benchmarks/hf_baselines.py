@@ -14,7 +14,7 @@ import time
 from tqdm.auto import tqdm
 
 from jaxbatch.benchmarks.harness import RunResult, Trace
-from jaxbatch.benchmarks.throughput import Peers, Throughput
+from jaxbatch.benchmarks.throughput import Throughput
 
 # The ratio continuous batching is to reach against each (the seed issue's targets).
 GOALS = {"hf_generate": 3.0, "hf_generate_batch": 1.5}
@@ -139,7 +139,10 @@ def setup(args, requests) -> dict:
 
 class ThroughputHF(Throughput):
     name, prog, workloads = "throughput-hf", "python -m benchmarks throughput-hf", ("offline",)
-    peers = Peers(goals=GOALS, setup=setup)
+    peer_goals = GOALS
+
+    def peer_runs(self, args, requests) -> dict:
+        return setup(args, requests)
 
     def add_arguments(self, ap) -> None:
         super().add_arguments(ap)

@@ -71,12 +71,10 @@ def default_price_per_hour(info: dict | None = None) -> tuple[float | None, str]
     CPU the vendor's AWS on-demand price per vCPU times the cores this process may use; on an
     accelerator none is assumed (prices differ by provider and commitment by several times)."""
     info = info or machine_info(with_jax=False)
-    backend = info.get("jax_backend", "cpu")
-    if backend != "cpu":
-        return None, (f"no list price assumed for {info.get('device', backend)}: "
-                      f"pass --price-per-hour")
-    model = (info.get("cpu_model") or "").lower()
-    vendor = "amd" if "amd" in model else "intel"
+    if (backend := info.get("jax_backend", "cpu")) != "cpu":
+        return None, f"no list price assumed for {info.get('device', backend)}: " \
+                     "pass --price-per-hour"
+    vendor = "amd" if "amd" in (info.get("cpu_model") or "").lower() else "intel"
     per_vcpu, source = CPU_PRICES[vendor]
     cores = int(info.get("cpu_count") or 1)
     return per_vcpu * cores, f"{source} x {cores} vCPU"
@@ -93,7 +91,6 @@ def add_price_argument(ap) -> None:
 
 def resolve_price(price_per_hour: float | None, info: dict) -> dict:
     """The price a report uses: the one given, or the default for the machine it ran on."""
-    if price_per_hour is not None:
-        return {"usd_per_hour": price_per_hour, "source": "--price-per-hour"}
-    price, source = default_price_per_hour(info)
+    price, source = ((price_per_hour, "--price-per-hour") if price_per_hour is not None
+                     else default_price_per_hour(info))
     return {"usd_per_hour": price, "source": source}

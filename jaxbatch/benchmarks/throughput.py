@@ -13,9 +13,6 @@ from an empty prefix cache; timing is wall clock around the timed part only.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
                                          pow2_model_len, run_jaxbatch, step_stats, summarize,
                                          warm_jaxbatch, warmed_engine)
@@ -25,13 +22,6 @@ from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SHORT_KINDS, encode_
                                            load_prompts, offline_requests, online_requests)
 
 ENGINES = ("continuous", "static")
-
-
-@dataclasses.dataclass
-class Peers:
-    """Other engines run on the same requests (benchmarks/hf_baselines.py: HF transformers)."""
-    goals: dict             # name -> the continuous / peer ratio it is to reach
-    setup: Callable         # (args, requests) -> {name: run(requests, slots) -> RunResult}
 
 
 def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
@@ -145,10 +135,12 @@ def targets(report, goals=None) -> list[dict]:
 class Throughput(Benchmark):
     name, report_name = "throughput", "bench"
     workloads = ("offline", "online")       # --workloads' default
-    peers: Peers | None = None              # other engines on the same requests
+    # Other engines on the same requests (the lab's HF baselines): name -> the continuous /
+    # peer output tok/s ratio it is to reach; `peer_runs` runs them.
+    peer_goals: dict[str, float] = {}
 
     def add_arguments(self, ap) -> None:
-        names = ENGINES + tuple(self.peers.goals if self.peers else ())
+        names = ENGINES + tuple(self.peer_goals)
         ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
         ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
                         default=list(self.workloads))
@@ -195,16 +187,19 @@ class Throughput(Benchmark):
         if "offline" in args.workloads:
             requests = offline_requests(prompts, kinds, args.num_requests, args.lengths,
                                         args.seed, args.max_prompt_len)
-            chosen = set(args.engines) - set(ENGINES)
-            peer_runs = self.peers.setup(args, requests) if self.peers and chosen else {}
-            report["offline"] = bench_offline(args, loaded, requests, peer_runs)
+            peers = self.peer_runs(args, requests) if set(args.engines) - set(ENGINES) else {}
+            report["offline"] = bench_offline(args, loaded, requests, peers)
         if "online" in args.workloads:
             requests = online_requests(prompts, kinds, args.online_short, args.online_long,
                                        args.request_rate, args.online_lengths, args.seed,
                                        args.max_prompt_len)
             report["online"] = bench_online(args, loaded, requests)
-        report["targets"] = targets(report, self.peers.goals if self.peers else None)
+        report["targets"] = targets(report, self.peer_goals)
         return report
+
+    def peer_runs(self, args, requests) -> dict:
+        """{peer name: run(requests, slots) -> RunResult}, ready to time."""
+        return {}
 
     def plots(self, report, out_dir):
         from jaxbatch.benchmarks.throughput_plots import plot_all
