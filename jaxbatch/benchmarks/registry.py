@@ -8,19 +8,16 @@ import sys
 
 # What a user runs to decide, by module name (the lab's instruments: `python -m benchmarks`).
 BENCHMARKS = {
-    "throughput": "offline throughput: continuous vs static batching on the same compiled "
-                  "steps, $ per million tokens",
+    "throughput": "continuous vs static batching on the same compiled steps, $ / M tokens",
     "latency": "TTFT under Poisson arrivals, chunked prefill vs unchunked",
-    "serve": "load generator for any OpenAI-compatible server (vllm bench serve's figures, "
-             "goodput, /health under load)",
+    "serve": "any OpenAI-compatible server under load: vllm bench serve's figures, /health",
     "startup": "LLM() to first token: cold, warm (lowered store), traced",
     "prefix": "prefix caching on vs off: shared system prompt, multi-turn, distinct",
     "spec": "speculative decoding (n-gram) on vs off at 1/4/16 concurrent requests",
     "structured": "structured outputs' cost: 0/50/100 % JSON-schema requests",
     "lora": "LoRA adapters' cost per decode step: 0, 1, max_loras adapters active",
     "quant": "int8 KV cache and int8 weights: capacity and throughput on one budget",
-    "roofline": "decode and prefill steps against this machine's bandwidth and GEMM floors, "
-                "measured in the same run",
+    "roofline": "decode and prefill steps against this machine's bandwidth and GEMM floors",
 }
 FOOTER = ["Throughput reports state the cost per million output tokens at --price-per-hour "
           "(default: a list price for this machine; see jaxbatch/benchmarks/machine.py).",

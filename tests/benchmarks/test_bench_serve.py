@@ -401,3 +401,22 @@ def test_serve_needs_a_target_and_its_driver_does_not(tmp_path, monkeypatch, cap
                                 "--price-per-hour", "1", "--out", str(tmp_path)])
     assert report["runs"] == [] and report["offline_baseline"]["rounds"] == [300.0, 100.0]
     assert "Offline jaxbatch LLM.generate" in (tmp_path / "bench_serve.md").read_text()
+
+
+@pytest.mark.parametrize("tail, error", [(b"", "stream ended without data: [DONE]"),
+                                         (b'data: {"error": {"message": "boom"}}\n\n',
+                                          'stream error: {"message": "boom"}')])
+def test_a_stream_that_breaks_off_fails_its_request(tail, error):
+    """Every token and the usage arrived, but no `data: [DONE]`, or an error event in its
+    place: the request failed, and says why."""
+    import httpx
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        frames = b"".join(data for _, data in _frames(json.loads(request.content), chat=True))
+        return httpx.Response(200, content=frames.replace(b"data: [DONE]\n\n", tail))
+    out = asyncio.run(bench_serve.run_load("http://fake", _workload(2), health_interval=None,
+                                           clock=FakeClock(), transport=httpx.MockTransport(handler)))
+    s = out["summary"]
+    assert (s["completed"], s["failed"], s["errors"]) == (0, 2, [error])
