@@ -417,6 +417,7 @@ def test_a_stream_that_breaks_off_fails_its_request(tail, error):
         frames = b"".join(data for _, data in _frames(json.loads(request.content), chat=True))
         return httpx.Response(200, content=frames.replace(b"data: [DONE]\n\n", tail))
     out = asyncio.run(bench_serve.run_load("http://fake", _workload(2), health_interval=None,
-                                           clock=FakeClock(), transport=httpx.MockTransport(handler)))
+                                           clock=FakeClock(),
+                                           transport=httpx.MockTransport(handler)))
     s = out["summary"]
     assert (s["completed"], s["failed"], s["errors"]) == (0, 2, [error])
