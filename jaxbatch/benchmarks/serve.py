@@ -18,7 +18,9 @@ prompt for the timed runs: turn it off on the server to measure cold prompts).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -91,16 +93,13 @@ def plot(report: dict, path: Path) -> str | None:
     return save_png(fig, path)
 
 
-def parse_goodput(items) -> dict | None:
-    if not items:
-        return None
-    slo = {}
-    for item in items:
-        key, _, val = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not val:
-            raise SystemExit(f"--goodput {item!r}: use ttft:MS, tpot:MS or e2el:MS")
-        slo[key] = float(val)
-    return slo
+def goodput_slo(item: str) -> tuple[str, float]:
+    """One --goodput value, KEY:MS."""
+    key, _, ms = item.partition(":")
+    with contextlib.suppress(ValueError):
+        if key in ("ttft", "tpot", "e2el"):
+            return key, float(ms)
+    raise argparse.ArgumentTypeError(f"{item!r}: use ttft:MS, tpot:MS or e2el:MS")
 
 
 def bench_target(name, base, args, workload, report, between=None):
@@ -147,7 +146,8 @@ class Serve(Benchmark):
         ap.add_argument("--api", choices=("chat", "completions"), default="chat")
         ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
         add_workload_flags(ap)
-        ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+        ap.add_argument("--goodput", nargs="+", type=goodput_slo, default=None,
+                        metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
         ap.add_argument("--health-interval", type=float, default=0.1,
                         help="seconds between /health polls during a timed run (0: off)")
@@ -158,7 +158,8 @@ class Serve(Benchmark):
         ap.add_argument("--max-tokens-field", default=None,
                         help="request field for the output length (default: chat "
                              "max_completion_tokens, completions max_tokens)")
-        ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+        ap.add_argument("--extra-body", type=json.loads, default="{}",
+                        help="JSON merged into every request body")
         ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
         ap.add_argument("--rounds", type=int, default=1, help="repeat each target's runs")
 
@@ -181,8 +182,7 @@ class Serve(Benchmark):
         return []
 
     def bench(self, _, args) -> dict:
-        args.goodput = parse_goodput(args.goodput)
-        args.extra_body = json.loads(args.extra_body)
+        args.goodput = dict(args.goodput) if args.goodput else None
         workload = serve_workload(args)
         # The price defaults to the client's machine: a server elsewhere needs --price-per-hour.
         report = {"workload": [dataclasses.asdict(r) for r in workload], "servers": {},

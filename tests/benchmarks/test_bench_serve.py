@@ -421,3 +421,11 @@ def test_a_stream_that_breaks_off_fails_its_request(tail, error):
                                            transport=httpx.MockTransport(handler)))
     s = out["summary"]
     assert (s["completed"], s["failed"], s["errors"]) == (0, 2, [error])
+
+
+@pytest.mark.parametrize("flags", [["--goodput", "ttft"], ["--goodput", "p50:100"],
+                                   ["--extra-body", "{"]])
+def test_a_bad_goodput_or_extra_body_is_refused_before_anything_is_sent(flags, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--target", "x=http://127.0.0.1:9", "--out", str(tmp_path), *flags])
+    assert "error: argument" in capsys.readouterr().err and not list(tmp_path.iterdir())
