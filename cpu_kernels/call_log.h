@@ -1,17 +1,18 @@
-// Kernel calls timed where they run, for `python -m benchmarks calls` (call_log.py owns the memory). XLA's
-// profiler times every op too, but its tracing slows the step it times, the small calls most;
-// a record here costs two clock reads and an atomic add, and nothing but a load while the
-// log is unset.
+// Kernel calls timed where they run, for `python -m benchmarks calls` (the lab's
+// benchmarks/call_log.py owns the memory). XLA's profiler times every op too, but its tracing
+// slows the step it times, the small calls most; a record here costs two clock reads and an
+// atomic add, and nothing but a load while the log is unset.
 //
-// One log per process, handed to every kernel library as it loads (call_log.py, `wire`), as
-// kv_prefetch.h's queue is. `Begin` takes the next record when the call is entered (on
-// whichever thread XLA called it); `End` stamps it when the call's last unit is done: at the
+// One log per process, handed to every kernel library as it loads (benchmarks/call_log.py,
+// `wire`), as kv_prefetch.h's queue is. `Begin` takes the next record when the call is entered
+// (on whichever thread XLA called it); `End` stamps it when the call's last unit is done: at the
 // calling thread's return, or, for a call that returned a future (pool_dispatch.h), in the
 // task that completes it. A full log records nothing more until call_log.py empties it.
 //
-// Compiled in only for an instrumented build (-DJAXBATCH_CALL_LOG, which call_log.instrument()
-// asks build.py for, a library of its own in the cache): otherwise Begin and End are empty
-// inline functions and a library defines no setter, so production calls carry no log code.
+// Compiled in only for an instrumented build (-DJAXBATCH_CALL_LOG, which
+// benchmarks.call_log.instrument() asks build.py for, a library of its own in the cache):
+// otherwise Begin and End are empty inline functions and a library defines no setter, so
+// production calls carry no log code.
 #pragma once
 
 #include <time.h>
