@@ -3,6 +3,7 @@ without a run of their own elsewhere (throughput, serve, prefix, lora and roofli
 in test_bench_smoke.py, test_bench_serve.py and test_bench_prefix.py). Slow: e2e (pyproject)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from jaxbatch.entrypoints import cli
@@ -16,6 +17,9 @@ def test_latency_runs_chunked_against_unchunked(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["online"]["summaries"]) == {"chunked", "unchunked"}
     assert all(s["completed"] == 3 for s in report["online"]["summaries"].values())
+    if importlib.util.find_spec("matplotlib"):       # the short requests' TTFT, as a CDF
+        assert report["plots"] == ["online_ttft_cdf.png"]
+        assert (tmp_path / "online_ttft_cdf.png").stat().st_size > 0
 
 
 def test_quant_runs_capacity_and_both_caches(tmp_path, capsys):
