@@ -114,6 +114,33 @@ def test_offline_and_online_on_tiny_model(tiny):
     assert "continuous / static output tok/s" in rows
 
 
+def test_a_peer_runs_on_the_same_requests_against_its_goal(tiny, monkeypatch):
+    """The seam the lab's HF baselines use: `peer_goals` names engines --engines may choose,
+    `peer_runs` runs them on the offline requests, and the targets state each goal."""
+    seen = []
+
+    class Twin(throughput.Throughput):
+        peer_goals = {"twin": 0.5}
+
+        def peer_runs(self, args, requests):
+            def run(reqs, slots):
+                seen.append((len(reqs), slots))
+                engine = harness.warmed_engine(tiny, "continuous", slots,
+                                               harness.pow2_model_len(reqs), reqs, "workload")
+                return harness.run_jaxbatch(engine, reqs, "twin")
+            return {"twin": run}
+    monkeypatch.setattr(throughput, "encode_prompts", lambda entries, tokenizer:
+                        synthetic_prompt_ids(entries, tiny.config.vocab_size, seed=0))
+    twin = Twin()
+    report = twin.bench(tiny, twin.parser().parse_args([
+        "--engines", "continuous", "twin", "--workloads", "offline", "--num-requests", "6",
+        "--max-num-seqs", "2", "--max-prompt-len", "24", "--output-max", "8",
+        "--warmup", "workload", "--xla-cache", ""]))
+    assert seen == [(6, 2)] and set(report["offline"]["summaries"]) == {"continuous", "twin"}
+    rows = {r["target"]: r for r in report["targets"]}
+    assert rows["continuous / twin output tok/s"]["goal"] == ">= 0.5"
+
+
 def test_step_observers_see_every_step(tiny, monkeypatch):
     """The engine's and the runner's hooks (benchmarks/observer.py): one on_step per
     step with its plan, one on_executable per executable run, gone again after `observe`."""
