@@ -270,3 +270,9 @@ def test_autoscaling_up_under_load_and_back_draining_the_stopped_replica(
         assert chunks[-1].usage.completion_tokens == max_tokens
     wait_for("scale back to one", lambda: running_replicas() == 1, 120)
     assert complete(base, "still here")[0] in (first_home, second_home)
+
+
+def test_an_unknown_request_router_is_refused_before_anything_deploys():
+    from jaxbatch.entrypoints.ray_cluster.deploy import build_application
+    with pytest.raises(ValueError, match="power_of_two_choices"):
+        build_application([], request_router="round_robin")
