@@ -272,6 +272,33 @@ def test_autoscaling_up_under_load_and_back_draining_the_stopped_replica(
     assert complete(base, "still here")[0] in (first_home, second_home)
 
 
+def test_the_ray_replicas_benchmark_reads_the_replicas_own_hit_counters(cluster, files, capsys):
+    """`python -m benchmarks ray-replicas` at its smallest, on this file's cluster (a cluster
+    of its own would double the start-up): it runs, and its hit rate is the replicas'."""
+    from ray import serve
+    from benchmarks import ray_replicas
+    ckpt, _, _ = files
+    _, base = cluster
+    serve.delete("jaxbatch")        # its replicas would hold the nodes' CPUs
+    result = ray_replicas.main(
+        ["--model", ckpt, "--served-model-name", "tiny", "--deployments", "one,pow2",
+         "--conversations", "2", "--turns", "2", "--turn-max-tokens", "2", "--num-prompts", "2",
+         "--output-max", "8", "--warmup-requests", "0", "--server-args", " ".join(FLAGS[:-5])],
+        serve_base=base)
+    rows = {r["deployment"]: r for r in result["deployments"]}
+    assert set(rows) == {"one", "pow2"}
+    for row in rows.values():
+        turns = row["multi_turn"]
+        assert turns["failed"] == 0 and row["served"]["failed"] == 0
+        assert sum(turns["requests_per_replica"]) == 4
+        assert len(turns["requests_per_replica"]) <= row["replicas"]
+        assert turns["prefix_cache_query_tokens"] > 0 and 0 <= turns["prefix_cache_hit_rate"] <= 1
+        assert row["served"]["output_tokens_per_s"] > 0 and row["served"]["ttft"]["p99_ms"] > 0
+    # One replica holds every conversation: each second turn hits what its first stored.
+    assert rows["one"]["multi_turn"]["prefix_cache_hit_rate"] > 0
+    assert "| 2 replicas, power of two choices |" in capsys.readouterr().out
+
+
 def test_an_unknown_request_router_is_refused_before_anything_deploys():
     from jaxbatch.entrypoints.ray_cluster.deploy import build_application
     with pytest.raises(ValueError, match="power_of_two_choices"):
