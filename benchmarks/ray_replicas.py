@@ -16,7 +16,9 @@ power-of-two-choices router. Each, once ready, gets:
    replica served the turn before. The prefix-cache hit rate is read from the replicas' own
    counters (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, prompt tokens, on the
    ingress's merged /metrics), not guessed here. One replica holds every prefix: its rate is
-   what a router could reach at best.
+   what a router could reach at best. Read it beside the requests each replica served: prefix
+   affinity may keep conversations together on one replica, within its load bound
+   (`--prefix-affinity-max-imbalance`, as `jaxbatch ray-serve`'s).
 2. the mixed chat workload of `jaxbatch bench serve` (`--num-prompts`, all sent at once
    unless `--request-rate`), through Serve's HTTP proxy with the same client: output
    throughput and TTFT (mean, median, p99).
@@ -113,13 +115,14 @@ def measure(base: str, name: str, args, server_argv: list[str]) -> dict:
     replicas, router, label = DEPLOYMENTS[name]
     start = time.perf_counter()
     serve.run(build_application(server_argv, num_replicas=replicas, request_router=router,
-                                replica_num_cpus=args.node_cpus, app_name=APP),
+                                replica_num_cpus=args.node_cpus, app_name=APP,
+                                prefix_affinity_max_imbalance=args.prefix_affinity_max_imbalance),
               name=APP, route_prefix="/")
     ready_s = time.perf_counter() - start
     try:
         rounds = conversations(args.conversations, args.turns, args.turn_max_tokens)
         multi_turn = run_rounds(base, rounds, args.served_model_name)
-        counted = counters_after(base, multi_turn["requests"])
+        counted = counters_after(base, multi_turn["requests"] - multi_turn["failed"])
         hits = sum(c["vllm:prefix_cache_hits_total"] for c in counted.values())
         queries = sum(c["vllm:prefix_cache_queries_total"] for c in counted.values())
         multi_turn.update(
@@ -176,6 +179,7 @@ def main(argv=None, serve_base: str | None = None) -> dict:
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS),
                     help="comma-separated, of: " + "; ".join(
                         f"{k} ({label})" for k, (_, _, label) in DEPLOYMENTS.items()))
+    ap.add_argument("--prefix-affinity-max-imbalance", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--turn-max-tokens", type=int, default=16)
