@@ -341,9 +341,6 @@ def _check_kv_events(config: "EngineConfig") -> None:
     if not config.cache.enable_prefix_caching:
         raise ValueError("kv_events_config publishes the prefix cache's blocks: it needs "
                          "enable_prefix_caching=True")
-    if config.parallel.num_processes > 1:
-        raise ValueError("kv_events_config with num_processes > 1 is not supported yet (every "
-                         "process would publish the same blocks)")
 
 
 def flag_name(name: str) -> str:
