@@ -87,6 +87,7 @@ class LaunchedServer:
         self.port = free_port()
         self.cmd, env = launch_command(kind, self.port, args)
         self.log_path = out_dir / f"{Path(kind).stem if kind.startswith('llama:') else kind}.server.log"
+        out_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")
         print(f"[{kind}] starting: {shlex.join(self.cmd)}  (log {self.log_path})", flush=True)
         self.start = time.perf_counter()

@@ -40,8 +40,10 @@ if [ $# -ge 1 ]; then
     MODEL="$1"
     NAME="$(basename "$MODEL")"
     SRC="$(ls -d "$DEST"/llama_cpp_python-*/vendor/llama.cpp | tail -1)"
-    # The converter needs the tree's own gguf-py (newer than PyPI's gguf) and numpy/torch-free
-    # safetensors reading; the project's venv has numpy, safetensors and transformers.
+    # The converter needs the tree's own gguf-py (newer than PyPI's gguf), torch, transformers
+    # and sentencepiece (imported even for a tokenizer.json model): the project's venv with
+    # the test extra has the first two.
+    "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install -q sentencepiece
     PYTHONPATH="$SRC/gguf-py" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$MODEL" \
         --outtype bf16 --outfile "$DEST/$NAME-bf16.gguf"
     "$DEST/build/bin/llama-quantize" "$DEST/$NAME-bf16.gguf" "$DEST/$NAME-Q4_K_M.gguf" Q4_K_M
