@@ -6,6 +6,11 @@
 #   bash scripts/setup_llama_cpp.sh                        # build only, into .llama.cpp/
 #   bash scripts/setup_llama_cpp.sh hf_export/SmolLM2-135M-Instruct   # build, then convert
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 bash scripts/setup_llama_cpp.sh
+#   LLAMA_CPP_NO_AMX=1 bash scripts/setup_llama_cpp.sh    # AVX512 (VNNI, BF16) without AMX
+#
+# LLAMA_CPP_NO_AMX: on the KVM guest with AMX where the benchmarks ran, the native build's
+# llama-server died with SIGILL loading a Q4_K_M model (ggml's AMX repack; bf16 ran);
+# a build without the AMX kernels runs both.
 #
 # Then serve one GGUF the way the benchmarks compare engines (16 slots, both cores):
 #   .llama.cpp/build/bin/llama-server -m MODEL-bf16.gguf -c 32768 -np 16 -t 2 --port 8200
@@ -31,7 +36,13 @@ with tarfile.open(path) as tar:
 print("llama-cpp-python", meta["info"]["version"])
 EOF
     SRC="$(ls -d "$DEST"/llama_cpp_python-*/vendor/llama.cpp | tail -1)"
-    cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    CPU_FLAGS=(-DGGML_NATIVE=ON)
+    if [ -n "${LLAMA_CPP_NO_AMX:-}" ]; then
+        CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+                   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+    fi
+    cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release "${CPU_FLAGS[@]}" \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build "$DEST/build" -j "$(nproc)" --target llama-server llama-quantize
 fi
