@@ -23,6 +23,8 @@ INSTRUMENTS = {
     "random-checkpoint": ("random_checkpoint", "a random-weight HF checkpoint of a real shape "
                           "(TinyLlama-1.1B, Llama 1B/8B) with the embedded tokenizer"),
     "scaleout": ("scaleout", "tensor / data parallel throughput against one engine"),
+    "ray-replicas": ("ray_replicas", "jaxbatch ray-serve: one replica against two, prefix "
+                     "affinity against Ray's router (a local Ray cluster)"),
     # diagnostics
     "overlap": ("overlap", "host/device overlap (async scheduling) on vs off"),
     "profile": ("profile", "device time per executable on the mixed chat workload"),

@@ -5,6 +5,11 @@ jaxbatch continuous / static and vLLM on one workload, and served against offlin
         --vllm-model hf_export/SmolLM2-135M-Instruct --request-rate 1 4 inf
     python -m benchmarks serve-launch --launch jaxbatch-continuous --request-rate inf \\
         --offline-baseline --rounds 6 --serve-args "--max-model-len 2048 --dtype bfloat16"
+    python -m benchmarks serve-launch --launch llama --llama-gguf A-bf16.gguf A-Q4_K_M.gguf
+
+`--launch llama` starts llama.cpp's `llama-server` once per `--llama-gguf` file
+(bash scripts/setup_llama_cpp.sh builds it and converts a checkpoint), with --max-num-seqs
+slots, each slot the context vLLM's and jaxbatch's requests get (--llama-slot-context).
 
 Every flag of `jaxbatch bench serve` applies (--target too). --launch starts each server on a
 free 127.0.0.1 port, one at a time (vLLM: bash scripts/setup_vllm_cpu.sh;
@@ -32,11 +37,12 @@ from pathlib import Path
 from jaxbatch.benchmarks import serve
 from jaxbatch.benchmarks.workloads import encode_prompts
 
-LAUNCHABLE = ("jaxbatch-continuous", "jaxbatch-static", "vllm")
+LAUNCHABLE = ("jaxbatch-continuous", "jaxbatch-static", "vllm", "llama")
 # The checkout (servers start there; .venv-vllm and hf_export/ live there as
 # scripts/setup_vllm_cpu.sh and scripts/export_safetensors.py make them).
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DEFAULT_LLAMA_SERVER = REPO / ".llama.cpp" / "build" / "bin" / "llama-server"
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -62,6 +68,13 @@ def launch_command(kind: str, port: int, args) -> tuple[list[str], dict]:
                str(args.max_num_seqs), "--dtype", "float32"]
         cmd += shlex.split(args.vllm_args)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    elif kind.startswith("llama:"):
+        # -c is the context all slots share: each slot gets c / np
+        cmd = [args.llama_server, "-m", kind.split(":", 1)[1], "--host", "127.0.0.1",
+               "--port", str(port), "-np", str(args.max_num_seqs),
+               "-c", str(args.max_num_seqs * args.llama_slot_context),
+               "-t", str(os.cpu_count()), "--jinja"]
+        cmd += shlex.split(args.llama_args)
     else:
         raise SystemExit(f"--launch {kind}: one of {', '.join(LAUNCHABLE)}")
     return cmd, env
@@ -73,7 +86,8 @@ class LaunchedServer:
     def __init__(self, kind, args, out_dir: Path):
         self.port = free_port()
         self.cmd, env = launch_command(kind, self.port, args)
-        self.log_path = out_dir / f"{kind}.server.log"
+        self.log_path = out_dir / f"{Path(kind).stem if kind.startswith('llama:') else kind}.server.log"
+        out_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")
         print(f"[{kind}] starting: {shlex.join(self.cmd)}  (log {self.log_path})", flush=True)
         self.start = time.perf_counter()
@@ -243,6 +257,11 @@ class ServeLaunch(serve.Serve):
         ap.add_argument("--vllm-model", default=None, help="HF directory for --launch vllm")
         ap.add_argument("--vllm-args", default="--max-model-len 2048",
                         help="extra flags for a launched vLLM server")
+        ap.add_argument("--llama-server", default=str(DEFAULT_LLAMA_SERVER))
+        ap.add_argument("--llama-gguf", nargs="+", default=[],
+                        help="GGUF files for --launch llama: one server each")
+        ap.add_argument("--llama-slot-context", type=int, default=2048)
+        ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
         ap.add_argument("--startup-timeout", type=float, default=900.0)
         ap.add_argument("--offline-baseline", action="store_true",
                         help="also run jaxbatch LLM.generate on the same workload (a subprocess, "
@@ -251,15 +270,20 @@ class ServeLaunch(serve.Serve):
                         help="timed offline passes after the untimed one (best is reported)")
 
     def servers(self, args, report):
-        for kind in args.launch:
+        kinds = [k for kind in args.launch
+                 for k in ([f"llama:{g}" for g in args.llama_gguf] if kind == "llama" else [kind])]
+        if "llama" in args.launch and not args.llama_gguf:
+            raise SystemExit("--launch llama needs --llama-gguf FILE ... (scripts/setup_llama_cpp.sh)")
+        for kind in kinds:
+            name = f"llama {Path(kind[6:]).stem}" if kind.startswith("llama:") else kind
             server = LaunchedServer(kind, args, Path(args.out))
-            info = report["servers"].setdefault(kind, {"command": shlex.join(server.cmd)})
+            info = report["servers"].setdefault(name, {"command": shlex.join(server.cmd)})
             try:
                 info["startup_s"] = server.wait_ready(args.startup_timeout)
-                yield kind, server.base
+                yield name, server.base
             except Exception as e:
                 info["error"] = f"{type(e).__name__}: {e}"
-                print(f"[{kind}] failed: {info['error']}", flush=True)
+                print(f"[{name}] failed: {info['error']}", flush=True)
             finally:
                 server.stop()
 

@@ -46,6 +46,10 @@ def build_engine(model=None, **kwargs) -> EngineClient:
             from jaxbatch.model.loader import load_model
             objects["loaded"] = load_model(model, kwargs.get("dtype", "auto"), use_cache=False,
                                            on_device=False)
+        if par.process_id != 0:
+            # KV events come from process 0 alone: the followers apply its steps to prefix
+            # caches that mirror its own, and would publish the same blocks again
+            engine_kwargs.pop("kv_events_config", None)
         return multihost.MultiHostEngine(LLMEngine(model, **objects, **engine_kwargs))
     if par.data_parallel_size == 1:
         return LLMEngine(model, **objects, **engine_kwargs)

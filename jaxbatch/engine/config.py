@@ -164,10 +164,10 @@ class RuntimeOptions:
     kv_prefetch: bool = option(True, "the C++ decode attention names the next layer's KV pages "
                                "to the GEMMs before it, which request them into cache (results "
                                "are the same either way)")
-    cpu_gemm: str = option("auto", "a bf16 model's matmuls on a CPU: packed (our AVX512-BF16 "
-                           "kernel over packed weights), xla (XLA's dots, which run oneDNN's "
-                           "AMX tiles on a CPU that has them), or auto: xla where the CPU has "
-                           "AMX, else packed", CPU_GEMMS)
+    cpu_gemm: str = option("auto", "a bf16 or w8a8 model's matmuls on a CPU: packed (our "
+                           "AVX512-BF16 / VNNI kernels over packed weights), xla (XLA's dots, "
+                           "which run oneDNN's AMX tiles on a CPU that has them), or auto: xla "
+                           "where the CPU has AMX, else packed", CPU_GEMMS)
     weight_layout: str = option("auto", "layer matrices kept apart per layer (auto on a CPU: "
                                 "each matmul reads its weight in place) or stacked [L, in, out] "
                                 "(auto elsewhere)", WEIGHT_LAYOUTS)
@@ -341,9 +341,6 @@ def _check_kv_events(config: "EngineConfig") -> None:
     if not config.cache.enable_prefix_caching:
         raise ValueError("kv_events_config publishes the prefix cache's blocks: it needs "
                          "enable_prefix_caching=True")
-    if config.parallel.num_processes > 1:
-        raise ValueError("kv_events_config with num_processes > 1 is not supported yet (every "
-                         "process would publish the same blocks)")
 
 
 def flag_name(name: str) -> str:

@@ -1,8 +1,9 @@
 """The typed weights the kernels read, each defined beside the call it makes: `Packed` for the
 packed bf16 / float32 GEMM (`cpu_kernels.packed_gemm`), and the W8A8 forms, int8 matrices
 against activations quantized per token: `PackedW8A8` (`cpu_kernels.w8a8_gemm`, VNNI),
-`PallasW8A8` (`pallas_kernels.w8a8`, a GPU's int8 MMA) and `W8A8` (the jnp reference both
-equal). `weight_forms.prepare` gives matrices these forms; `model/linear.py` names none."""
+`OutInW8A8` (XLA's int8 dots, [out, in]: oneDNN's AMX int8 tiles where the CPU has
+them), `PallasW8A8` (`pallas_kernels.w8a8`, a GPU's int8 MMA) and `W8A8` (the jnp reference
+all equal). `weight_forms.prepare` gives matrices these forms; `model/linear.py` names none."""
 from __future__ import annotations
 
 import jax
@@ -68,8 +69,47 @@ class W8A8(Linear):
     in_out = property(lambda self: tuple(self.values.shape[-2:]))
     dtype_name = property(lambda self: "int8")
 
+    def int8_values(self):
+        return self.values
+
     def to_float(self):
         return self.values.astype(jnp.float32) * self.scale[..., None, :]
+
+    @classmethod
+    def of(cls, values, scale) -> "W8A8":
+        """From int8 [in, out] values and [out] scales."""
+        return cls(values, scale)
+
+
+class OutInW8A8(Linear):
+    """int8 values [out, in] and scales [out]: XLA's int8 dot, the form XLA:CPU hands to
+    oneDNN (AMX int8 tiles where the CPU has them); the same int32 sums as the reference."""
+    values: object
+    scale: object
+
+    def apply(self, x, rows=None, out_dtype=None):
+        k, n = self.in_out
+        q, x_scale = w8a8.quantize_rows(x.reshape(-1, k))
+        acc = jax.lax.dot_general(q, self.values, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.int32)             # [M, N]
+        acc = jax.lax.optimization_barrier(acc)      # as the reference: converted once, exact
+        y = w8a8.dequantize_product(acc, x_scale, self.scale, out_dtype or x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    in_out = property(lambda self: tuple(self.values.shape[::-1]))
+    dtype_name = property(lambda self: "int8")
+
+    def int8_values(self):
+        return self.values.T
+
+    def to_float(self):
+        return self.int8_values().astype(jnp.float32) * self.scale[None, :]
+
+    @classmethod
+    def of(cls, values, scale) -> "OutInW8A8":
+        """From int8 [in, out] values (numpy transposed on the host) and [out] scales."""
+        return cls(np.ascontiguousarray(values.T) if isinstance(values, np.ndarray)
+                   else jnp.transpose(values), scale)
 
 
 class PallasW8A8(W8A8):
@@ -122,7 +162,8 @@ class PackedW8A8(Linear):
 
 
 W8A8 = pytree_weight(W8A8, ("values", "scale"))
+OutInW8A8 = pytree_weight(OutInW8A8, ("values", "scale"))
 PallasW8A8 = pytree_weight(PallasW8A8, ("values", "scale"))
 PackedW8A8 = pytree_weight(PackedW8A8, ("values", "scale", "comp"))
-W8A8_KERNELS = {"cpu": PackedW8A8, "pallas": PallasW8A8, "jnp": W8A8}
+W8A8_KERNELS = {"cpu": PackedW8A8, "xla": OutInW8A8, "pallas": PallasW8A8, "jnp": W8A8}
 W8A8_FORMS = tuple(W8A8_KERNELS.values())

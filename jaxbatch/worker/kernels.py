@@ -4,8 +4,9 @@
                         (`cpu_kernels.packed_gemm`, its silu * up epilogue included), or the
                         forms XLA's dots read best
     w8a8                `quantization="w8a8"`: the int8 matrices' kernel against activations
-                        quantized per token: `cpu_kernels.w8a8_gemm` on a CPU (AVX512-VNNI;
-                        refused where it cannot run), the Pallas kernel on a GPU, else the
+                        quantized per token: on a CPU, XLA's int8 dots where it has AMX
+                        (oneDNN's int8 tiles), else `cpu_kernels.w8a8_gemm` (AVX512-VNNI;
+                        refused where it cannot run); the Pallas kernel on a GPU; else the
                         jnp reference
     add_norm            a residual add and the RMSNorm after it: `cpu_kernels.add_rms_norm`
                         (bf16) or jnp
@@ -55,7 +56,7 @@ class KernelOptions:
     cpu_kernels: str = "auto"       # auto: where they run; off: never; required: or an error
     kv_prefetch: bool = True
     weight_layout: str = "auto"     # auto: per layer on CPU, stacked elsewhere
-    cpu_gemm: str = "auto"          # a bf16 model's matmuls: packed kernel, or XLA's (AMX) dots
+    cpu_gemm: str = "auto"          # matmuls (bf16, w8a8): our kernels, or XLA's (AMX) dots
     int8_activations: bool = False  # quantization="w8a8": int8 matrices x int8 activations
 
 
@@ -149,14 +150,21 @@ def log_choice(choice: KernelChoice) -> None:
 
 
 def _w8a8_kernel(platform: str, options: KernelOptions, per_layer: bool) -> tuple[str, str]:
-    """(W8A8 kernel, why): the VNNI kernel on a CPU (or an error where it cannot run), the
-    Pallas kernel on a GPU, else the jnp reference."""
+    """(W8A8 kernel, why): on a CPU, XLA's int8 dots where it has AMX (oneDNN's int8 tiles) or
+    cpu_gemm='xla', else the VNNI kernel (or an error where it cannot run); the Pallas kernel
+    on a GPU; else the jnp reference."""
     if platform == "gpu":
         return "pallas", "pallas_kernels.w8a8 (int8 MMA)"
     if platform != "cpu":
         return "jnp", f"the jnp reference ({platform})"
-    reason = ("turned off (cpu_kernels='off')" if options.cpu_kernels == "off"
-              else w8a8_gemm.unavailable_reason())
+    if options.cpu_kernels == "off":
+        reason = "turned off (cpu_kernels='off')"
+    elif options.cpu_gemm == "xla":
+        return _w8a8_on_xla(per_layer, "cpu_gemm='xla'")
+    elif options.cpu_gemm == "auto" and availability.cpu_has("amx_int8"):
+        return _w8a8_on_xla(per_layer, "this CPU has AMX: oneDNN's int8 tiles")
+    else:
+        reason = w8a8_gemm.unavailable_reason()
     if reason:
         raise ValueError(f"quantization='w8a8' runs on this CPU's AVX512-VNNI kernel "
                          f"(cpu_kernels.w8a8_gemm), which cannot run here: {reason}; "
@@ -164,6 +172,12 @@ def _w8a8_kernel(platform: str, options: KernelOptions, per_layer: bool) -> tupl
     if not per_layer:
         return "jnp", "the jnp reference (stacked weight layout: the kernel takes per-layer weights)"
     return "cpu", "cpu_kernels.w8a8_gemm (AVX512-VNNI, activations quantized per token)"
+
+
+def _w8a8_on_xla(per_layer: bool, why: str) -> tuple[str, str]:
+    if not per_layer:
+        return "jnp", f"the jnp reference: XLA's int8 dots, [in, out] (stacked layout; {why})"
+    return "xla", f"XLA's int8 dots, [out, in] ({why}; activations quantized per token)"
 
 
 def _xla_dots_for_bf16(dtype, options: KernelOptions) -> str | None:

@@ -17,8 +17,9 @@ stacks, int8 matrices as {"int8", "scale"}); each matrix becomes a typed weight
                 per call at close to them
     w8a8        int8 matrices multiplied against activations quantized per token
                 (`quantization="w8a8"`), their q/k/v and gate/up parts fused per layer:
-                packed for the CPU's VNNI kernel (`PackedW8A8`, `w8a8_kernel="cpu"`), the
-                Pallas kernel ("pallas") or the jnp reference ("jnp"), `W8A8`
+                packed for the CPU's VNNI kernel (`PackedW8A8`, `w8a8_kernel="cpu"`), [out,
+                in] for XLA's int8 dots ("xla", `OutInW8A8`), the Pallas kernel ("pallas")
+                or the jnp reference ("jnp"), `W8A8`
 
 `prepare` takes plain or already typed params (another engine's) and is cheap when they are
 in the form already; `to_plain` gives plain params back (for quantizing or restacking).
@@ -34,8 +35,8 @@ import numpy as np
 from cpu_kernels import packed_gemm, w8a8_gemm
 from jaxbatch.model.layers import FUSED
 from jaxbatch.model.linear import Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer
-from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, Packed, PackedW8A8,
-                                          PallasW8A8)
+from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, OutInW8A8, Packed,
+                                          PackedW8A8, PallasW8A8)
 
 @dataclasses.dataclass(frozen=True)
 class WeightForm:
@@ -197,17 +198,22 @@ def _w8a8(layers: dict, form_class, fuse: bool) -> dict:
             out[name] = PerLayer(tuple(_w8a8_matrix(w, form_class) for w in value.layers))
         elif isinstance(value, Int8) and value.values.ndim == 3:
             # a stack the layer scan slices; experts' stacks ([L, E, in, out]) stay weight-only
-            out[name] = (W8A8 if form_class is PackedW8A8 else form_class)(value.values,
-                                                                          value.scale)
+            out[name] = (W8A8 if form_class in PER_LAYER_ONLY else form_class)(value.values,
+                                                                              value.scale)
         else:
             out[name] = value
     return out
 
 
+# W8A8 forms of one layer's matrix; stacks, and matrices the VNNI kernel does not cover, take
+# the reference
+PER_LAYER_ONLY = (PackedW8A8, OutInW8A8)
+
+
 def _w8a8_matrix(w: Int8, form_class) -> Linear:
-    if form_class is PackedW8A8 and w8a8_gemm.why_not(*w.in_out) is None:
-        return PackedW8A8.of(w.values, w.scale)
-    return (W8A8 if form_class is PackedW8A8 else form_class)(w.values, w.scale)
+    if form_class is PackedW8A8 and w8a8_gemm.why_not(*w.in_out) is not None:
+        form_class = W8A8
+    return form_class.of(w.values, w.scale)
 
 
 def _packed(value):
@@ -246,9 +252,9 @@ def to_plain(params: dict) -> dict:
 
 
 def _plain_matrix(w: Linear):
-    if isinstance(w, (Int8, W8A8)):
+    if isinstance(w, Int8):
         return {"int8": w.values, "scale": w.scale}
-    if isinstance(w, PackedW8A8):
+    if isinstance(w, W8A8_FORMS):
         return {"int8": w.int8_values(), "scale": w.scale}
     return w.to_float()
 
@@ -308,6 +314,7 @@ def matmuls(params: dict) -> str:
     """What runs the weight matmuls (stats()): our packed GEMM kernel, or XLA's dots."""
     forms = {type(w) for w in jax.tree.leaves(params, is_leaf=is_linear_leaf)}
     names = [name for form, name in ((PackedW8A8, "cpu_kernels.w8a8_gemm"),
+                                     (OutInW8A8, "XLA's int8 dots"),
                                      (PallasW8A8, "pallas_kernels.w8a8"),
                                      (W8A8, "the jnp W8A8 reference"),
                                      (Packed, "cpu_kernels.packed_gemm")) if form in forms]

@@ -1,7 +1,8 @@
 """quantization="w8a8" end to end on a tiny random model: the kernel seam picks the CPU's VNNI
-kernel and says so, a request's tokens are the same solo and batched, the VNNI kernel gives
-the tokens of the jnp reference (the stacked layout runs the reference), and a CPU that cannot
-run the kernel refuses the option before anything loads."""
+kernel (cpu_gemm="packed") or XLA's int8 dots (cpu_gemm="xla", auto on an AMX CPU) and says
+so, a request's tokens are the same solo and batched, each gives the tokens of the jnp
+reference (the stacked layout runs the reference), and a CPU that cannot run the kernel
+refuses the option before anything loads."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,16 +42,27 @@ def _tokens(engine, prompts=PROMPTS, params=PARAMS):
     return [list(o.outputs[0].token_ids) for o in run_all(engine, prompts, params)]
 
 
-@pytest.fixture(scope="module")
-def kernel_engine(tiny):
-    return _engine(tiny)
+SAYS = {"packed": ("cpu_kernels.w8a8_gemm", "w8a8 (cpu)"),
+        "xla": ("XLA's int8 dots", "w8a8 (xla)")}
 
 
-def test_the_seam_runs_the_vnni_kernel_and_says_so(kernel_engine):
-    kernels = kernel_engine.stats()["kernels"]
-    assert "cpu_kernels.w8a8_gemm" in kernels["w8a8"]
-    assert "w8a8 (cpu)" in kernels["weights"]
-    assert kernel_engine.stats()["quantization"] == "w8a8"
+@pytest.fixture(scope="module", params=sorted(SAYS))
+def kernel(request, tiny):
+    """(cpu_gemm, its engine)"""
+    return request.param, _engine(tiny, cpu_gemm=request.param)
+
+
+@pytest.fixture
+def kernel_engine(kernel):
+    return kernel[1]
+
+
+def test_the_seam_runs_the_kernel_asked_for_and_says_so(kernel):
+    cpu_gemm, engine = kernel
+    says_kernel, says_form = SAYS[cpu_gemm]
+    assert says_kernel in engine.stats()["kernels"]["w8a8"]
+    assert says_form in engine.stats()["kernels"]["weights"]
+    assert engine.stats()["quantization"] == "w8a8"
 
 
 def test_solo_equals_batched(kernel_engine):

@@ -206,15 +206,38 @@ def test_a_replica_killed_mid_stream(two_replicas):
     wait_for("replacement replica", lambda: running_replicas() == 2, READY_S)
 
 
-def test_autoscaling_up_under_load_and_back(cluster, files, two_replicas):
+def replica_states(app="jaxbatch"):
+    from ray import serve
+    from jaxbatch.entrypoints.ray_cluster.deploy import ENGINE_DEPLOYMENT
+    return dict(serve.status().applications[app].deployments[ENGINE_DEPLOYMENT].replica_states)
+
+
+def read_stream(base, prompt, max_tokens):
+    """Opens a long stream and returns (answering replica, a function that reads it to the
+    end and returns (its chunks, time.monotonic() at its last one))."""
+    raw = client(base).completions.with_streaming_response.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    response = raw.__enter__()
+
+    def to_the_end():
+        try:
+            return list(response.parse()), time.monotonic()
+        finally:
+            raw.__exit__(None, None, None)
+    return response.headers["x-jaxbatch-replica"], to_the_end
+
+
+def test_autoscaling_up_under_load_and_back_draining_the_stopped_replica(
+        cluster, files, two_replicas):
     from ray import serve
     from jaxbatch.entrypoints.ray_cluster.deploy import build_application
     ckpt, _, _ = files
     _, base = cluster
     serve.delete("jaxbatch")
     app = build_application(
-        [ckpt, "--served-model-name", "tiny", *FLAGS[:-5]], graceful_shutdown_timeout_s=5,
-        autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+        [ckpt, "--served-model-name", "tiny", *FLAGS[:-5]], graceful_shutdown_timeout_s=120,
+        autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                             "upscale_delay_s": 0.5, "downscale_delay_s": 3,
                             "metrics_interval_s": 0.5, "look_back_period_s": 1})
     serve.run(app, name="jaxbatch", route_prefix="/")
@@ -223,9 +246,60 @@ def test_autoscaling_up_under_load_and_back(cluster, files, two_replicas):
 
     def load(i):
         while time.monotonic() < stop and running_replicas() < 2:
-            complete(base, f"load {i} " * 20, max_tokens=200, extra_body={"ignore_eos": True})
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(load, range(4)))
+            complete(base, f"load {i} " * 20, max_tokens=48, extra_body={"ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(load, range(6)))
     assert running_replicas() == 2
+    # One long stream on each replica: two ongoing requests are one replica's target, so Ray
+    # scales down while both stream, and whichever replica it stops holds one of them.
+    max_tokens = 1000
+    first_home, first = read_stream(base, "drain first", max_tokens)
+    second_home, second = read_stream(base, "drain second", max_tokens)
+    assert first_home != second_home
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        readers = [pool.submit(first), pool.submit(second)]
+        stopping_at = wait_for("a replica stopping", lambda: (
+            replica_states().get("STOPPING", 0) or running_replicas() < 2) and time.monotonic(),
+            READY_S)
+        streams = [r.result() for r in readers]
+    # The scale-down began while both streams were still coming in ...
+    assert stopping_at < min(done_at for _, done_at in streams)
+    # ... and both came in whole: the stopped replica finished its stream before it went.
+    for chunks, _ in streams:
+        assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == max_tokens
     wait_for("scale back to one", lambda: running_replicas() == 1, 120)
-    assert complete(base, "still here")[1].choices
+    assert complete(base, "still here")[0] in (first_home, second_home)
+
+
+def test_the_ray_replicas_benchmark_reads_the_replicas_own_hit_counters(cluster, files, capsys):
+    """`python -m benchmarks ray-replicas` at its smallest, on this file's cluster (a cluster
+    of its own would double the start-up): it runs, and its hit rate is the replicas'."""
+    from ray import serve
+    from benchmarks import ray_replicas
+    ckpt, _, _ = files
+    _, base = cluster
+    serve.delete("jaxbatch")        # its replicas would hold the nodes' CPUs
+    result = ray_replicas.main(
+        ["--model", ckpt, "--served-model-name", "tiny", "--deployments", "one,pow2",
+         "--conversations", "2", "--turns", "2", "--turn-max-tokens", "2", "--num-prompts", "2",
+         "--output-max", "8", "--warmup-requests", "0", "--server-args", " ".join(FLAGS[:-5])],
+        serve_base=base)
+    rows = {r["deployment"]: r for r in result["deployments"]}
+    assert set(rows) == {"one", "pow2"}
+    for row in rows.values():
+        turns = row["multi_turn"]
+        assert turns["failed"] == 0 and row["served"]["failed"] == 0
+        assert sum(turns["requests_per_replica"]) == 4
+        assert len(turns["requests_per_replica"]) <= row["replicas"]
+        assert turns["prefix_cache_query_tokens"] > 0 and 0 <= turns["prefix_cache_hit_rate"] <= 1
+        assert row["served"]["output_tokens_per_s"] > 0 and row["served"]["ttft"]["p99_ms"] > 0
+    # One replica holds every conversation: each second turn hits what its first stored.
+    assert rows["one"]["multi_turn"]["prefix_cache_hit_rate"] > 0
+    assert "| 2 replicas, power of two choices |" in capsys.readouterr().out
+
+
+def test_an_unknown_request_router_is_refused_before_anything_deploys():
+    from jaxbatch.entrypoints.ray_cluster.deploy import build_application
+    with pytest.raises(ValueError, match="power_of_two_choices"):
+        build_application([], request_router="round_robin")

@@ -28,8 +28,14 @@ def main(process_id: int, port: int) -> None:
     from jaxbatch import LLM, SamplingParams
     from tp_checks import SETTINGS, model
     assert jax.device_count() == 4 and jax.local_device_count() == 2
+    # KV events from process 0 alone: a follower binding the same endpoint would fail here
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port + 1}",
+              "publisher": "zmq"}
     llm = LLM(loaded=model(2), tensor_parallel_size=4, num_processes=2, process_id=process_id,
-              coordinator_address=f"localhost:{port}", **SETTINGS)
+              coordinator_address=f"localhost:{port}", kv_events_config=events,
+              prefix_cache_granularity="block", **SETTINGS)
+    from jaxbatch.kv_events.config import NO_KV_EVENTS
+    assert (llm.llm_engine.engine.kv_events is NO_KV_EVENTS) == (process_id != 0)
     prompts, params = workload()
     # Two batches: followers return from one generate() and follow the next.
     first = llm.generate(prompts[:4], params[:4], use_tqdm=False)
@@ -46,6 +52,7 @@ def main(process_id: int, port: int) -> None:
             for out in engine.step():
                 aborted[out.request_id] = out.outputs[0].finish_reason
         engine.release()
+        assert engine.engine.kv_events.num_events > 0     # the prefix cache's blocks, published
         stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
         engine.shutdown()

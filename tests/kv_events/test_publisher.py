@@ -130,7 +130,6 @@ def test_config_defaults_are_vllms():
 
 @pytest.mark.parametrize("options, message", [
     ({"enable_prefix_caching": False}, "enable_prefix_caching"),
-    ({"num_processes": 2, "coordinator_address": "127.0.0.1:1"}, "num_processes"),
 ])
 def test_engine_options_refuse_events_they_cannot_describe(options, message):
     from jaxbatch.engine.config import EngineConfig

@@ -24,7 +24,7 @@ from jaxbatch.entrypoints.openai import protocol as P
 from jaxbatch.entrypoints.openai.errors import APIError
 from jaxbatch.entrypoints.openai.preprocess import count_prompts
 from jaxbatch.entrypoints.openai.serving import CUT, OpenAIServing
-from jaxbatch.entrypoints.openai.streams import merge, with_cancellation
+from jaxbatch.entrypoints.openai.streams import final_outputs, with_cancellation
 from jaxbatch.pooling_params import PoolingParams
 
 
@@ -110,13 +110,7 @@ class EmbeddingServing:
             ticket.release()
 
     async def _respond(self, req, rid, streams, prompts) -> EmbeddingResponse:
-        finals = {}
-        try:
-            async for k, out in merge(streams):
-                finals[k] = out
-        finally:
-            for s in streams:
-                s.abort()
+        finals = await final_outputs(streams)
         if len(finals) < len(prompts) or any(not o.outputs.embedding for o in finals.values()):
             raise APIError(503, CUT, None, {"Retry-After": "5"})
         n_prompt = sum(len(p) for p in prompts)

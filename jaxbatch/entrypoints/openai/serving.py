@@ -33,7 +33,7 @@ from jaxbatch.entrypoints.openai.errors import APIError
 from jaxbatch.entrypoints.openai.lora_routes import LoRARegistry
 from jaxbatch.entrypoints.openai.preprocess import Preprocessor
 from jaxbatch.entrypoints.openai.streams import (  # noqa: F401
-    SSEResponse, TextChunks, merge, sse, with_cancellation)
+    SSEResponse, TextChunks, final_outputs, merge, sse, with_cancellation)
 
 CUT = "the server is shutting down: this request was aborted before it finished"
 
@@ -325,13 +325,7 @@ class OpenAIServing:
                 ticket.release()
 
     async def _completion_full(self, req, rid, streams, n_prompt, prompts):
-        finals = {}
-        try:
-            async for k, out in merge(streams):
-                finals[k] = out
-        finally:
-            for s in streams:
-                s.abort()
+        finals = await final_outputs(streams)
         _check_not_cut([c for out in finals.values() for c in out.outputs])
         if req.echo:
             return await self._echoed(req, rid, finals, n_prompt, prompts)

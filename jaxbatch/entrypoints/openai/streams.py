@@ -114,3 +114,16 @@ async def merge(streams):
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def final_outputs(streams) -> dict:
+    """{k: stream k's last output} of a non-streamed request's streams; every stream is
+    aborted on the way out (a no-op for a finished one), whatever ends the wait."""
+    finals = {}
+    try:
+        async for k, out in merge(streams):
+            finals[k] = out
+    finally:
+        for s in streams:
+            s.abort()
+    return finals

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from jaxbatch.engine.config import EngineConfig, engine_kwargs_from_args
+from jaxbatch.entrypoints.ray_cluster.flags import REQUEST_ROUTERS
 
 ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "JaxbatchEngine", "JaxbatchIngress"
 
@@ -46,7 +47,7 @@ def build_application(server_argv: Sequence[str] | argparse.Namespace | None = N
                       replica_num_cpus: float = 1.0, replica_num_gpus: float = 0.0,
                       max_ongoing_requests: int = 64, prefix_affinity_max_imbalance: int = 4,
                       graceful_shutdown_timeout_s: float = 30.0, health_check_period_s: float = 2.0,
-                      app_name: str = "jaxbatch"):
+                      request_router: str = "prefix_affinity", app_name: str = "jaxbatch"):
     """The Ray Serve application. `server_argv`: `jaxbatch serve` flags for every replica
     (MODEL first, as on the command line; host and port are the proxy's, not theirs)."""
     from ray import serve
@@ -58,15 +59,19 @@ def build_application(server_argv: Sequence[str] | argparse.Namespace | None = N
 
     args = server_args_of(server_argv)
     scale = scale_options(num_replicas, autoscaling_config)
+    if request_router not in REQUEST_ROUTERS:
+        raise ValueError(f"request_router must be one of {', '.join(REQUEST_ROUTERS)}, "
+                         f"got {request_router!r}")
+    if request_router == "prefix_affinity":
+        scale["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"max_imbalance": prefix_affinity_max_imbalance})
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": replica_num_cpus, "num_gpus": replica_num_gpus},
         max_ongoing_requests=max_ongoing_requests,
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         health_check_period_s=health_check_period_s,
-        request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"max_imbalance": prefix_affinity_max_imbalance}),
         **scale)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0},
@@ -92,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     ray_flags = ("ray_address", "host", "port", "app_name", "route_prefix", "num_replicas",
                  "autoscaling_config", "replica_num_cpus", "replica_num_gpus",
                  "max_ongoing_requests", "prefix_affinity_max_imbalance",
-                 "graceful_shutdown_timeout")
+                 "graceful_shutdown_timeout", "request_router")
     ray_opts = {k: getattr(args, k) for k in ray_flags}
     server_args = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                         if k not in ray_flags and k != "command"})

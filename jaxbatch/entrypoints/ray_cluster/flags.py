@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+# prefix_affinity: router.py; power_of_two_choices: Ray Serve's own default router, a baseline
+# that knows nothing of prefixes (benchmarks/ray_replicas.py compares the two).
+REQUEST_ROUTERS = ("prefix_affinity", "power_of_two_choices")
+
 
 def _json_object(text: str) -> dict:
     try:
@@ -47,5 +51,10 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-affinity-max-imbalance", type=_at_least(0), default=4,
                    help="ongoing requests a replica holding the prompt's prefix may have above "
                         "the least-loaded replica and still be preferred")
+    p.add_argument("--request-router", choices=REQUEST_ROUTERS,
+                   default="prefix_affinity",
+                   help="how the ingress picks a replica: prefix_affinity (the one already sent "
+                        "the prompt's prefix, within --prefix-affinity-max-imbalance), or Ray "
+                        "Serve's default power_of_two_choices (least loaded of two at random)")
     p.add_argument("--graceful-shutdown-timeout", type=_at_least(0.0, float), default=30.0,
                    help="on scale-down, seconds a replica's ongoing requests may take to finish")
