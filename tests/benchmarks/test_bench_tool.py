@@ -16,7 +16,7 @@ from jaxbatch.entrypoints import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_KEPT = {"bootstrap.py", "gpu_check.sh", "gpu_check.py", "gpu_check_int8.py",
-                "setup_vllm_cpu.sh", "export_safetensors.py"}
+                "setup_vllm_cpu.sh", "setup_llama_cpp.sh", "export_safetensors.py"}
 # What a user runs to decide (issue 55): each from `jaxbatch bench`, at most a dozen.
 NAMED = ("throughput", "latency", "serve", "startup", "prefix", "spec", "structured", "lora",
          "quant", "roofline")
