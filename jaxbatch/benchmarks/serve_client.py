@@ -168,9 +168,9 @@ class AiohttpStreams:
 
     async def __aenter__(self):
         import aiohttp
-        self.session = aiohttp.ClientSession(
-            headers=self.headers, read_bufsize=1 << 20,
-            timeout=aiohttp.ClientTimeout(total=6 * 3600.0, connect=30.0),
+        self.session = aiohttp.ClientSession(headers=self.headers, read_bufsize=1 << 20,
+            # sock_read bounds a broken stream (aiohttp's parser passes some bad framings)
+            timeout=aiohttp.ClientTimeout(total=6 * 3600.0, connect=30.0, sock_read=600.0),
             connector=aiohttp.TCPConnector(limit=0, force_close=True))
         return self
 
