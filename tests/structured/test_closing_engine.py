@@ -83,7 +83,7 @@ def _cases(llm):
     ]
 
 
-def test_every_budget_closes_greedy_and_sampled(llm):
+def test_budgets_from_the_shortest_answer_to_256_close_greedy_and_sampled(llm):
     engine = llm.llm_engine
     prompts, params, checks = [], [], []
     for name, prompt, so, check, temperatures in _cases(llm):
