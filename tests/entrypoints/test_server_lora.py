@@ -10,6 +10,7 @@ import os
 import httpx
 import pytest
 
+from kernel_cache import cache_sharing_kernels
 from server_utils import ServerProcess
 
 KEY = "lora-test-key"
@@ -61,7 +62,7 @@ def files(tmp_path_factory):
     for i, (name, (r, targets)) in enumerate(ADAPTERS.items()):
         paths[name] = str(root / name)
         _write_adapter(model, paths[name], r, targets, seed=20 + i)
-    return ckpt, paths, str(root / "cache")
+    return ckpt, paths, cache_sharing_kernels(str(root / "cache"))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+from kernel_cache import cache_sharing_kernels
 from server_utils import ServerProcess
 from thinking_model import PROMPT, THOUGHT_TOKENS, write_thinking_model
 
@@ -33,7 +34,7 @@ TOOLS = [{"type": "function", "function": {
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_reasoning")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXBATCH_CACHE", str(root / "cache"))
+        mp.setenv("JAXBATCH_CACHE", cache_sharing_kernels(str(root / "cache")))
         yield write_thinking_model(str(root / "model"))
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from jaxbatch import LLM, SamplingParams, StructuredOutputsParams
 
+from kernel_cache import cache_sharing_kernels
 from thinking_model import PROMPT, THOUGHT_TOKENS, write_thinking_model
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
@@ -25,7 +26,7 @@ KW = dict(warmup=False, dtype="float32", max_model_len=256, max_num_seqs=4, seed
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("thinking")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXBATCH_CACHE", str(root / "cache"))
+        mp.setenv("JAXBATCH_CACHE", cache_sharing_kernels(str(root / "cache")))
         yield write_thinking_model(str(root / "model"))
 
 

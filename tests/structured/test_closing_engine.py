@@ -1,7 +1,8 @@
 """Answers that close within max_tokens, on the embedded model: greedy and sampled json_object,
-json_schema and tool-call answers parse (and validate) at every max_tokens from the grammar's
-shortest answer up to 256, all budgets in one batched generate call; one token less than the
-shortest answer is a ValueError before any work."""
+json_schema and tool-call answers parse (and validate) at every max_tokens where steering
+starts near the answer's first tokens (the grammar's shortest answer up to past its guard and
+CLOSE_MARGIN), then at a stride up to 256, all budgets in one batched generate call; one token
+less than the shortest answer is a ValueError before any work."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ import pytest
 
 from jaxbatch import LLM, SamplingParams, StructuredOutputsParams
 from jaxbatch.entrypoints.openai import structured as S
+from jaxbatch.structured.closing import CLOSE_MARGIN
 
 MAX_BUDGET = 256
+# Past the dense budgets, one in STRIDE: a longer budget steers the same way at a later token
+# (the seeds differ, so sampled answers are cut at varied points all the same).
+STRIDE = 7
 # Bounded strings and lists: answers stay short, so the sweep stays cheap.
 CAT = {"type": "object",
        "properties": {"name": {"type": "string", "maxLength": 12},
@@ -37,6 +42,15 @@ def _prompt(llm, text, tools=None):
     return llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tools=tools, tokenize=False,
         add_generation_prompt=True)
+
+
+def budgets(shortest: int) -> list[int]:
+    """Every budget whose steering starts within the first tokens: the shortest answer, one
+    more, and each around the guard (`shortest` wide) and CLOSE_MARGIN before the close; then
+    one in STRIDE, and the largest."""
+    dense_to = 2 * shortest + CLOSE_MARGIN + 3
+    return sorted(set(range(shortest, dense_to))
+                  | set(range(dense_to, MAX_BUDGET, STRIDE)) | {MAX_BUDGET})
 
 
 def _cases(llm):
@@ -69,14 +83,14 @@ def _cases(llm):
     ]
 
 
-def test_every_budget_closes_greedy_and_sampled(llm):
+def test_budgets_from_the_shortest_answer_to_256_close_greedy_and_sampled(llm):
     engine = llm.llm_engine
     prompts, params, checks = [], [], []
     for name, prompt, so, check, temperatures in _cases(llm):
         shortest = engine.structured.shortest_answer(SamplingParams(structured_outputs=so))
         assert 1 <= shortest <= 24, name
         for temperature in temperatures:
-            for budget in range(shortest, MAX_BUDGET + 1):
+            for budget in budgets(shortest):
                 prompts.append(prompt)
                 params.append(SamplingParams(temperature=temperature, seed=budget,
                                              max_tokens=budget, structured_outputs=so))
