@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from kernel_cache import cache_sharing_kernels
 from server_utils import free_port
 from test_server_lora import _write_adapter
 
@@ -43,7 +44,7 @@ def files(tmp_path_factory):
     tokenizer.save_pretrained(ckpt)
     adapter = str(root / "sql")
     _write_adapter(model, adapter, 8, ["q_proj", "v_proj"], seed=21)
-    return ckpt, adapter, str(root / "cache")
+    return ckpt, adapter, cache_sharing_kernels(str(root / "cache"))
 
 
 @pytest.fixture(scope="module")
