@@ -68,16 +68,16 @@ def read_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
 def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
     """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: XLA's dot, or our packed GEMM kernel
     (`cpu_kernels.packed_gemm`, what the engine's matmuls run on a CPU it covers) where that
-    is faster, so the floor is the faster of the two; for w8a8, `cpu_kernels.w8a8_gemm`'s."""
+    is faster, so the floor is the faster of the two; for w8a8, the seam's two forms'."""
     import jax
     import jax.numpy as jnp
-
-    from cpu_kernels import packed_gemm, w8a8_gemm
+    from cpu_kernels import packed_gemm
+    from jaxbatch.worker.kernel_forms import OutInW8A8, PackedW8A8
     a = jnp.ones((n, n), dtype)
     if quantization == "w8a8":
-        packed = jax.tree.map(jnp.asarray, w8a8_gemm.pack(np.ones((n, n), np.int8),
-                                                          np.ones(n, np.float32)))
-        return 2 * n ** 3 / _best_seconds(jax.jit(w8a8_gemm.matmul), a, packed)
+        w = (np.ones((n, n), np.int8), np.ones(n, np.float32))
+        return 2 * n ** 3 / min(_best_seconds(jax.jit(lambda x, f: f.apply(x)), a, form.of(*w))
+                                for form in (PackedW8A8, OutInW8A8))
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     best = _best_seconds(dot, a, a)
     if packed_gemm.why_not(dtype, n, n) is None:

@@ -327,6 +327,19 @@ def test_roofline_gemm_peak_is_the_faster_of_xlas_dot_and_our_kernel(monkeypatch
     assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / 1.0
 
 
+def test_roofline_w8a8_peak_is_the_faster_of_the_seams_two_forms(monkeypatch):
+    from cpu_kernels import w8a8_gemm
+    from jaxbatch.benchmarks import roofline
+    from jaxbatch.worker.kernel_forms import OutInW8A8
+    if w8a8_gemm.unavailable_reason() is not None:
+        pytest.skip("the VNNI kernel does not run here")
+    for xla_s, vnni_s in ((0.5, 1.0), (1.0, 0.25)):
+        monkeypatch.setattr(roofline, "_best_seconds", lambda fn, x, form, **kw: (
+            xla_s if isinstance(form, OutInW8A8) else vnni_s))
+        assert roofline.gemm_peak("bfloat16", n=16, quantization="w8a8") == (
+            2 * 16 ** 3 / min(xla_s, vnni_s))
+
+
 def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():
     from jaxbatch.benchmarks import roofline
     from jaxbatch.benchmarks.random_models import random_model
