@@ -1,13 +1,13 @@
 """`jaxbatch ray-serve` with one engine replica against two, and the prefix-affinity router
-against Ray Serve's default one, on a local Ray cluster started here.
+against round robin and Ray Serve's default one, on a local Ray cluster started here.
 
     python -m benchmarks ray-replicas                        # the embedded model, 2 raylets
     python -m benchmarks ray-replicas --model PATH --server-args "--max-num-seqs 32"
 
-Three deployments, one after the other, on the same cluster (`--nodes` raylets of
+Four deployments, one after the other, on the same cluster (`--nodes` raylets of
 `--node-cpus` CPUs each; a replica reserves `--node-cpus`, so two replicas land on two nodes):
-one replica, two replicas behind the prefix-affinity router, two behind Ray Serve's
-power-of-two-choices router. Each, once ready, gets:
+one replica, two replicas behind the prefix-affinity router, two behind round robin, two
+behind Ray Serve's power-of-two-choices router. Each, once ready, gets:
 
 1. a multi-turn workload: `--conversations` conversations of `--turns` turns; turn t's prompt
    is the conversation's first t+1 messages (the model's replies are left out, so the shared
@@ -46,6 +46,7 @@ from jaxbatch.benchmarks.workloads import ServeRequest, load_prompts, make_workl
 # --deployments names: (replicas, request router, the table's label)
 DEPLOYMENTS = {"one": (1, "prefix_affinity", "1 replica"),
                "affinity": (2, "prefix_affinity", "2 replicas, prefix affinity"),
+               "rr": (2, "round_robin", "2 replicas, round robin"),
                "pow2": (2, "power_of_two_choices", "2 replicas, power of two choices")}
 APP = "ray-replicas"
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",

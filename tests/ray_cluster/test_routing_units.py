@@ -64,3 +64,18 @@ def test_ray_serve_refuses_contradictory_flags_before_starting_ray():
                  "--process-id", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["ray-serve", "--autoscaling-config", "[1]"])
+
+
+def test_round_robin_hands_each_request_to_the_next_replica_in_turn():
+    import asyncio
+    from types import SimpleNamespace
+    from jaxbatch.entrypoints.ray_cluster.router import RoundRobinRouter
+    router = object.__new__(RoundRobinRouter)        # its state alone: no cluster behind it
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in "cab"]
+    firsts = [asyncio.run(router.choose_replicas(replicas))[0][0].replica_id.unique_id
+              for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+    ranking = asyncio.run(router.choose_replicas(replicas))
+    assert [r[0].replica_id.unique_id for r in ranking] == ["b", "c", "a"]   # the rest after
+    assert asyncio.run(router.choose_replicas([])) == []

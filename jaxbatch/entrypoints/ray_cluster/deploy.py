@@ -55,7 +55,7 @@ def build_application(server_argv: Sequence[str] | argparse.Namespace | None = N
 
     from jaxbatch.entrypoints.ray_cluster.ingress import Ingress
     from jaxbatch.entrypoints.ray_cluster.replica import EngineReplica
-    from jaxbatch.entrypoints.ray_cluster.router import PrefixAffinityRouter
+    from jaxbatch.entrypoints.ray_cluster.router import PrefixAffinityRouter, RoundRobinRouter
 
     args = server_args_of(server_argv)
     scale = scale_options(num_replicas, autoscaling_config)
@@ -66,6 +66,9 @@ def build_application(server_argv: Sequence[str] | argparse.Namespace | None = N
         scale["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={"max_imbalance": prefix_affinity_max_imbalance})
+    elif request_router == "round_robin":
+        scale["request_router_config"] = RequestRouterConfig(
+            request_router_class=RoundRobinRouter)
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": replica_num_cpus, "num_gpus": replica_num_gpus},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-# prefix_affinity: router.py; power_of_two_choices: Ray Serve's own default router, a baseline
-# that knows nothing of prefixes (benchmarks/ray_replicas.py compares the two).
-REQUEST_ROUTERS = ("prefix_affinity", "power_of_two_choices")
+# prefix_affinity, round_robin: router.py; power_of_two_choices: Ray Serve's own default router;
+# the last two know nothing of prefixes (benchmarks/ray_replicas.py compares the three).
+REQUEST_ROUTERS = ("prefix_affinity", "round_robin", "power_of_two_choices")
 
 
 def _json_object(text: str) -> dict:
@@ -54,7 +54,8 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-router", choices=REQUEST_ROUTERS,
                    default="prefix_affinity",
                    help="how the ingress picks a replica: prefix_affinity (the one already sent "
-                        "the prompt's prefix, within --prefix-affinity-max-imbalance), or Ray "
-                        "Serve's default power_of_two_choices (least loaded of two at random)")
+                        "the prompt's prefix, within --prefix-affinity-max-imbalance), "
+                        "round_robin, or Ray Serve's default power_of_two_choices (least "
+                        "loaded of two at random)")
     p.add_argument("--graceful-shutdown-timeout", type=_at_least(0.0, float), default=30.0,
                    help="on scale-down, seconds a replica's ongoing requests may take to finish")

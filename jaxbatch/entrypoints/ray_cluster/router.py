@@ -1,5 +1,6 @@
-"""The Ray Serve request router of the engine deployment: the prefix-affinity rule of
-core/replica_choice.py (the one DataParallelEngine follows) over Ray's view of the replicas.
+"""The Ray Serve request routers of the engine deployment: the prefix-affinity rule of
+core/replica_choice.py (the one DataParallelEngine follows) over Ray's view of the replicas,
+and round robin, the baseline the benchmarks compare it with.
 
 Load is each replica's ongoing requests as Ray Serve counts them (its queue-length cache, probed
 when missing). The prefix a replica holds is what this router sent it before (prefix_index.py),
@@ -73,3 +74,21 @@ class PrefixAffinityRouter(RequestRouter):
         live = {r.replica_id.unique_id for r in replicas}
         for gone in set(self.index.replicas()) - live:
             self.index.forget(gone)
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in turn (replicas in the order of their ids), whatever
+    it holds or carries; Ray falls back down the list at a replica that is full."""
+
+    def initialize_state(self):
+        self.turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        if not ordered:
+            return []
+        first = self.turn % len(ordered)
+        self.turn += 1
+        return [[r] for r in ordered[first:] + ordered[:first]]
