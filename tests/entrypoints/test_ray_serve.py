@@ -303,4 +303,4 @@ def test_the_ray_replicas_benchmark_reads_the_replicas_own_hit_counters(cluster,
 def test_an_unknown_request_router_is_refused_before_anything_deploys():
     from jaxbatch.entrypoints.ray_cluster.deploy import build_application
     with pytest.raises(ValueError, match="power_of_two_choices"):
-        build_application([], request_router="round_robin")
+        build_application([], request_router="least_loaded")
