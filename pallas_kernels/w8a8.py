@@ -45,10 +45,12 @@ def dequantize_product(acc, x_scale, w_scale, out_dtype):
     return (acc.astype(jnp.float32) * (x_scale[:, None] * w_scale[None, :])).astype(out_dtype)
 
 
-def w8a8_reference(x, w, w_scale, out_dtype=None):
-    """x [M, K] float, w [K, N] int8, w_scale [N] float32 -> [M, N] in out_dtype (x's)."""
+def w8a8_reference(x, w, w_scale, out_dtype=None, *, w_out_in: bool = False):
+    """x [M, K] float, w [K, N] int8 ([N, K] where `w_out_in`: XLA:CPU's form), w_scale [N]
+    float32 -> [M, N] in out_dtype (x's)."""
     q, x_scale = quantize_rows(x)
-    acc = jnp.dot(q, w, preferred_element_type=jnp.int32)
+    acc = jax.lax.dot_general(q, w, (((1,), (1 if w_out_in else 0,)), ((), ())),
+                              preferred_element_type=jnp.int32)                # [M, N]
     # The barrier keeps XLA from folding the convert into the dot (a float32 dot whose sums
     # round past 2^24): the int32 sums are exact, and converted once.
     acc = jax.lax.optimization_barrier(acc)

@@ -81,23 +81,14 @@ class W8A8(Linear):
         return cls(values, scale)
 
 
-class OutInW8A8(Linear):
+class OutInW8A8(W8A8):
     """int8 values [out, in] and scales [out]: XLA's int8 dot, the form XLA:CPU hands to
-    oneDNN (AMX int8 tiles where the CPU has them); the same int32 sums as the reference."""
-    values: object
-    scale: object
+    oneDNN (AMX int8 tiles where the CPU has them); the reference's product otherwise."""
 
-    def apply(self, x, rows=None, out_dtype=None):
-        k, n = self.in_out
-        q, x_scale = w8a8.quantize_rows(x.reshape(-1, k))
-        acc = jax.lax.dot_general(q, self.values, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.int32)             # [M, N]
-        acc = jax.lax.optimization_barrier(acc)      # as the reference: converted once, exact
-        y = w8a8.dequantize_product(acc, x_scale, self.scale, out_dtype or x.dtype)
-        return y.reshape(*x.shape[:-1], n)
+    def _product(self, x2, out_dtype):
+        return w8a8.w8a8_reference(x2, self.values, self.scale, out_dtype, w_out_in=True)
 
     in_out = property(lambda self: tuple(self.values.shape[::-1]))
-    dtype_name = property(lambda self: "int8")
 
     def int8_values(self):
         return self.values.T
