@@ -76,6 +76,32 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_flags()
 
 
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=None)
+def amx_unavailable_reason() -> str | None:
+    """None where this process may run AMX tiles (the kernels' `amx` variants), else why not:
+    the CPU lacks them, or Linux does not grant the process their state (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, which is asked here once for the whole process)."""
+    missing = [flag for flag in AMX_FLAGS if not cpu_has(flag)]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    if libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) != 0:
+        return f"Linux grants no AMX tile state (arch_prctl: errno {ctypes.get_errno()})"
+    return None
+
+
+def amx_variant(symbol: str, target: str) -> tuple[str, str]:
+    """The (symbol, target) of a GEMM handler's AMX variant (packed_gemm.cc)."""
+    return symbol + "Amx", target + "_amx"
+
+
 def build_flags() -> tuple[str, ...]:
     """The compiler flags of this process's libraries: FLAGS, and an instrumented process's
     own (`instrument`)."""

@@ -37,6 +37,8 @@
 // Rows past `rows` (an operand: the call's padding, which a fixed-shape step carries after
 // its real tokens) are not computed; their outputs are zero.
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -344,13 +346,253 @@ struct Job : jaxbatch_pool::JobCounters {
   }
 };
 
+// ---- AMX: the same packed weights, met 16 rows at a time by the tile unit ------------------
+//
+// Sixteen consecutive packed lines of one column block, [16 k pairs][16 columns][2] bf16 or
+// [16 k quads][16 columns][4] int8, are exactly a B tile of `tdpbf16ps` / `tdpbusd` (1 KB, a
+// 64-byte stride), so the tile unit reads the weights as they are packed for AVX512, with no
+// second copy. An A tile is 16 rows of x by 64 bytes (32 bf16 or 64 int8 k values), a C tile
+// 16 rows by 16 columns of float32 (int32) sums. A row's sums are taken in the same k order
+// whatever M, its place in the batch or the split of the work, as in the AVX512 tile above
+// (the unit's order, not `vdpbf16ps`'s: for bf16 the two kernels agree to float32 rounding,
+// for int8 exactly).
+//
+//   decode (M <= 16): tmm0..5 accumulate 6 column blocks (silu * up: 3 gate blocks and their
+//     up blocks), tmm6 holds x's rows, tmm7 the block being read; a unit is those 6 blocks, its
+//     panel streamed from memory once.
+//   prefill (M > 16): tmm0..3 accumulate 2 row groups by 2 blocks (silu * up: a gate block and
+//     its up block), tmm4..5 the groups' rows, tmm6..7 the blocks; a unit is 2 blocks, met by
+//     every pair of row groups in turn (its panel from L2 after the first pair).
+#define JAXBATCH_AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
+
+constexpr int kTileRows = 16;
+constexpr int kDecodeBlocks = 6;
+constexpr int kPrefillBlocks = 2;
+
+// Linux hands a process the tile registers' state only once asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA): false where it refuses (no AMX, an old kernel).
+bool AmxPermitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  bool operator==(const TileConfig& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
+};
+
+// The tile instructions take their registers as literals: these switch over them.
+#define JAXBATCH_TILE_CASES(op) \
+  switch (t) { case 0: op(0); break; case 1: op(1); break; case 2: op(2); break; \
+    case 3: op(3); break; case 4: op(4); break; case 5: op(5); break; \
+    case 6: op(6); break; default: op(7); break; }
+
+JAXBATCH_AMX inline void TileZero(int t) {
+#define JAXBATCH_OP(n) _tile_zero(n)
+  JAXBATCH_TILE_CASES(JAXBATCH_OP)
+#undef JAXBATCH_OP
+}
+
+JAXBATCH_AMX inline void TileLoad(int t, const void* at, int64_t stride) {
+#define JAXBATCH_OP(n) _tile_loadd(n, at, stride)
+  JAXBATCH_TILE_CASES(JAXBATCH_OP)
+#undef JAXBATCH_OP
+}
+
+JAXBATCH_AMX inline void TileStore(int t, void* at) {
+#define JAXBATCH_OP(n) _tile_stored(n, at, 64)
+  JAXBATCH_TILE_CASES(JAXBATCH_OP)
+#undef JAXBATCH_OP
+}
+
+// C tile c += A tile a x B tile b.
+template <typename T>
+JAXBATCH_AMX inline void TileDot(int c, int a, int b) {
+  const int t = c * 64 + a * 8 + b;
+#define JAXBATCH_DOT(cc, aa, bb) case (cc) * 64 + (aa) * 8 + (bb): \
+    if constexpr (std::is_same_v<T, uint16_t>) _tile_dpbf16ps(cc, aa, bb); \
+    else _tile_dpbusd(cc, aa, bb); break;
+  switch (t) {
+    JAXBATCH_DOT(0, 6, 7) JAXBATCH_DOT(1, 6, 7) JAXBATCH_DOT(2, 6, 7)
+    JAXBATCH_DOT(3, 6, 7) JAXBATCH_DOT(4, 6, 7) JAXBATCH_DOT(5, 6, 7)
+    JAXBATCH_DOT(0, 4, 6) JAXBATCH_DOT(1, 4, 7) JAXBATCH_DOT(2, 5, 6) JAXBATCH_DOT(3, 5, 7)
+  }
+#undef JAXBATCH_DOT
+}
+#undef JAXBATCH_TILE_CASES
+
+// One C tile's rows [0, rows) of row group r0, block `block` (or, for silu * up, a gate C
+// tile and its up C tile), through the AVX512 tile's epilogue.
+template <typename T>
+void StoreTile(const Problem<T>& p, const void* c, int64_t r0, int64_t rows, int64_t block) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* line = static_cast<const char*>(c) + i * 64;
+    typename Step<T>::Acc acc;
+    std::memcpy(&acc, line, 64);
+    const __m512 y = ToFloat(p, acc, r0 + i, block);
+    const int64_t at = (r0 + i) * p.n_blocks * 16 + block * 16;
+    if (p.y_bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y_bf16 + at),
+                          (__m256i)_mm512_cvtneps_pbh(y));
+    else
+      _mm512_storeu_ps(p.y + at, y);
+  }
+}
+
+template <typename T>
+void StoreSiluMul(const Problem<T>& p, const void* gate, const void* up, int64_t r0,
+                  int64_t rows, int64_t block) {
+  for (int64_t i = 0; i < rows; ++i) {
+    typename Step<T>::Acc g, u;
+    std::memcpy(&g, static_cast<const char*>(gate) + i * 64, 64);
+    std::memcpy(&u, static_cast<const char*>(up) + i * 64, 64);
+    SiluMulStore(ToFloat(p, g, r0 + i, block), ToFloat(p, u, r0 + i, block + p.jump),
+                 p.y_bf16 + (r0 + i) * p.jump * 16 + block * 16);
+  }
+}
+
+template <typename T>
+struct AmxJob : jaxbatch_pool::JobCounters {
+  Problem<T> p;
+  bool decode = true;          // M <= 16: the decode layout, else prefill's
+  int64_t unit_blocks = 0;     // column blocks of a unit (silu * up: gate blocks)
+
+  int64_t tile_steps() const { return p.steps() / kTileRows; }
+  const T* block_at(int64_t block, int64_t s) const {
+    return p.w + block * p.block_elems() + s * kTileRows * (64 / sizeof(T));
+  }
+  const T* rows_at(int64_t row, int64_t s) const {
+    return p.x + row * p.k + s * (64 / sizeof(T));
+  }
+
+  // The unit's blocks: `b` .. plain, or gate blocks and their up blocks.
+  int64_t Blocks(int64_t unit, int64_t* blocks) const {
+    const int64_t first = unit * unit_blocks;
+    const int64_t out = p.silu_mul ? p.jump : p.n_blocks;
+    const int64_t n = std::min(unit_blocks, out - first);
+    for (int64_t j = 0; j < n; ++j) {
+      blocks[j] = first + j;
+      if (p.silu_mul) blocks[n + j] = first + j + p.jump;
+    }
+    return p.silu_mul ? 2 * n : n;
+  }
+
+  JAXBATCH_AMX void Configure(TileConfig& now, const TileConfig& want) {
+    if (!(now == want)) {
+      _tile_loadconfig(&want);
+      now = want;
+    }
+  }
+
+  JAXBATCH_AMX void Decode(int64_t unit, TileConfig& config) {
+    int64_t blocks[kDecodeBlocks];
+    const int64_t nb = Blocks(unit, blocks), rows = p.m, stride = p.k * sizeof(T);
+    TileConfig want;
+    for (int t = 0; t < 8; ++t) {
+      want.colsb[t] = 64;
+      want.rows[t] = t == 7 ? kTileRows : rows;
+    }
+    Configure(config, want);
+    for (int j = 0; j < nb; ++j) TileZero(j);
+    for (int64_t s = 0, steps = tile_steps(); s < steps; ++s) {
+      TileLoad(6, rows_at(0, s), stride);
+      for (int j = 0; j < nb; ++j) {
+        TileLoad(7, block_at(blocks[j], s), 64);
+        TileDot<T>(j, 6, 7);
+      }
+    }
+    alignas(64) char c[kDecodeBlocks][kTileRows * 64];
+    for (int j = 0; j < nb; ++j) TileStore(j, c[j]);
+    const int64_t half = nb / 2;
+    for (int j = 0; j < (p.silu_mul ? half : nb); ++j) {
+      if (p.silu_mul)
+        StoreSiluMul(p, c[j], c[j + half], 0, rows, blocks[j]);
+      else
+        StoreTile(p, c[j], 0, rows, blocks[j]);
+    }
+  }
+
+  JAXBATCH_AMX void Prefill(int64_t unit, TileConfig& config) {
+    int64_t blocks[kPrefillBlocks];
+    const int64_t nb = Blocks(unit, blocks), stride = p.k * sizeof(T);
+    for (int64_t r0 = 0; r0 < p.m; r0 += 2 * kTileRows) {
+      const int64_t rows0 = std::min<int64_t>(kTileRows, p.m - r0);
+      const int64_t rows1 = std::clamp<int64_t>(p.m - r0 - kTileRows, 0, kTileRows);
+      TileConfig want;
+      for (int t = 0; t < 8; ++t) {
+        want.colsb[t] = 64;
+        // C tiles 0, 1: group 0; 2, 3: group 1; A 4, 5; B 6, 7
+        want.rows[t] = t >= 6 ? kTileRows : (t == 4 || t < 2) ? rows0 : rows1;
+      }
+      if (rows1 == 0)   // group 1's tiles unused: a tile in use has rows, an unused none
+        for (int t : {2, 3, 5}) want.rows[t] = 0, want.colsb[t] = 0;
+      Configure(config, want);
+      for (int g = 0; g < (rows1 ? 2 : 1); ++g)
+        for (int j = 0; j < nb; ++j) TileZero(2 * g + j);
+      for (int64_t s = 0, steps = tile_steps(); s < steps; ++s) {
+        for (int j = 0; j < nb; ++j) TileLoad(6 + j, block_at(blocks[j], s), 64);
+        TileLoad(4, rows_at(r0, s), stride);
+        for (int j = 0; j < nb; ++j) TileDot<T>(j, 4, 6 + j);
+        if (rows1) {
+          TileLoad(5, rows_at(r0 + kTileRows, s), stride);
+          for (int j = 0; j < nb; ++j) TileDot<T>(2 + j, 5, 6 + j);
+        }
+      }
+      alignas(64) char c[4][kTileRows * 64];
+      for (int g = 0; g < (rows1 ? 2 : 1); ++g) {
+        const int64_t rg = g ? rows1 : rows0, at = r0 + g * kTileRows;
+        for (int j = 0; j < nb; ++j) TileStore(2 * g + j, c[2 * g + j]);
+        if (p.silu_mul)
+          StoreSiluMul(p, c[2 * g], c[2 * g + 1], at, rg, blocks[0]);
+        else
+          for (int j = 0; j < nb; ++j) StoreTile(p, c[2 * g + j], at, rg, blocks[j]);
+      }
+    }
+  }
+
+  JAXBATCH_AMX void Work() {
+    TileConfig config;
+    config.palette = 0;   // none loaded yet on this thread
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      if (decode)
+        Decode(u, config);
+      else
+        Prefill(u, config);
+      UnitDone();
+    }
+    _tile_release();
+  }
+};
+
+// The AMX job for a problem the AVX512 path was handed (its rows, blocks, epilogue), or
+// nullptr where the tiles cannot take it: k not a whole number of tile steps.
+template <typename J, typename T>
+std::shared_ptr<J> AmxJobFor(const Problem<T>& p) {
+  if (p.k % (kTileRows * Step<T>::kPerStep) != 0) return nullptr;
+  auto job = std::make_shared<J>();
+  job->p = p;
+  job->decode = p.m <= kTileRows;
+  const int64_t per_unit = job->decode ? kDecodeBlocks : kPrefillBlocks;
+  job->unit_blocks = p.silu_mul ? per_unit / 2 : per_unit;
+  const int64_t out = p.silu_mul ? p.jump : p.n_blocks;
+  job->units = (out + job->unit_blocks - 1) / job->unit_blocks;
+  return job;
+}
+
 // Below this many multiply-adds a call runs on the calling thread alone: waking a helper
 // costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
 // y [M, N]: float32, or bf16 (its bits as uint16) for the bf16 handler of a bf16 model;
 // kSiluMul: y [M, N / 2] bf16, silu(gate) * up. rows [1]: rows of x past rows[0] are padding.
-template <typename T, typename X, typename W, typename Y, bool kSiluMul = false>
+template <typename T, typename X, typename W, typename Y, bool kSiluMul = false,
+          bool kAmx = false>
 ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32, 1> rows,
                            ffi::Result<Y> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -391,10 +633,17 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
     job->units = out_blocks;
   }
   const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
+  const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16};
+  if constexpr (kAmx) {
+    if (!AmxPermitted())
+      return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+          "packed_gemm", "the AMX variant called where Linux grants no tile registers"));
+    if (auto amx = AmxJobFor<AmxJob<T>>(job->p))
+      return jaxbatch_pool::Run(pool, amx, jaxbatch_pool::Helpers(pool, amx->units), label);
+  }
   // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
   const int64_t helpers = macs < kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
-  return jaxbatch_pool::Run(pool, job, helpers,
-                            {jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16});
+  return jaxbatch_pool::Run(pool, job, helpers, label);
 }
 
 // ---- W8A8: activations quantized per row here, int8 weights packed at load time --------
@@ -431,15 +680,18 @@ void QuantizeRow(const XT* x, int64_t k, uint8_t* q, float* scale) {
 }
 
 // A W8A8 call's job: the quantized rows live as long as the call.
-struct W8A8Job : Job<uint8_t> {
+template <typename J>
+struct WithQuantizedRows : J {
   std::unique_ptr<uint8_t[]> xq;
   std::unique_ptr<float[]> x_scale;
 };
+using W8A8Job = WithQuantizedRows<Job<uint8_t>>;
+using AmxW8A8Job = WithQuantizedRows<AmxJob<uint8_t>>;
 
 // x [M, K] bf16 or float32; w [N / 16, K / 4, 64] int8, element [b, p, 4 j + t] =
 // W[4 p + t, 16 b + j]; w_scale [N] float32; comp [N] int32 = 128 x sum_k W[k, n]; rows [1]
 // -> y [M, N] float32 or bf16, or (kSiluMul, W = [gate | up]) [M, N / 2] bf16 silu(gate) * up.
-template <typename XT, typename X, typename Y, bool kSiluMul = false>
+template <typename XT, typename X, typename Y, bool kSiluMul = false, bool kAmx = false>
 ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
                          ffi::Buffer<ffi::F32, 1> w_scale, ffi::Buffer<ffi::S32, 1> comp,
                          ffi::Buffer<ffi::S32, 1> rows, ffi::Result<Y> y) {
@@ -489,8 +741,19 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
     job->units = out_blocks;
   }
   const int64_t macs = m * k * wd[0] * 16;
+  const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, m, k, out_blocks * 16};
+  if constexpr (kAmx) {
+    if (!AmxPermitted())
+      return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+          "w8a8_gemm", "the AMX variant called where Linux grants no tile registers"));
+    if (auto amx = AmxJobFor<AmxW8A8Job>(job->p)) {
+      amx->xq = std::move(job->xq);
+      amx->x_scale = std::move(job->x_scale);
+      return jaxbatch_pool::Run(pool, amx, jaxbatch_pool::Helpers(pool, amx->units), label);
+    }
+  }
   const int64_t helpers = macs < 2 * kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
-  return jaxbatch_pool::Run(pool, job, helpers, {jaxbatch_calls::kGemm, m, k, out_blocks * 16});
+  return jaxbatch_pool::Run(pool, job, helpers, label);
 }
 
 template <typename X, typename Y>
@@ -535,6 +798,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmBf16Out,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmSiluMul,
                               (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y, true>),
                               (Binding<Bf16X, Bf16W, Bf16Y>()));
+// The same over AMX tiles (bf16 `tdpbf16ps`, int8 `tdpbusd`), for CPUs that have them.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmAmx,
+                              (PackedGemmImpl<uint16_t, Bf16X, Bf16W, F32Y, false, true>),
+                              (Binding<Bf16X, Bf16W, F32Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmBf16OutAmx,
+                              (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y, false, true>),
+                              (Binding<Bf16X, Bf16W, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmSiluMulAmx,
+                              (PackedGemmImpl<uint16_t, Bf16X, Bf16W, Bf16Y, true, true>),
+                              (Binding<Bf16X, Bf16W, Bf16Y>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPackedGemmF32, (PackedGemmImpl<float, F32X, F32W, F32Y>),
                               (Binding<F32X, F32W, F32Y>()));
 
@@ -545,4 +818,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmBf16, (W8A8GemmImpl<uint16_t, Bf16
                               (W8A8Binding<Bf16X, Bf16Y>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmSiluMul,
                               (W8A8GemmImpl<uint16_t, Bf16X, Bf16Y, true>),
+                              (W8A8Binding<Bf16X, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmAmx, (W8A8GemmImpl<float, F32X, F32Y, false, true>),
+                              (W8A8Binding<F32X, F32Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmBf16Amx,
+                              (W8A8GemmImpl<uint16_t, Bf16X, Bf16Y, false, true>),
+                              (W8A8Binding<Bf16X, Bf16Y>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchW8A8GemmSiluMulAmx,
+                              (W8A8GemmImpl<uint16_t, Bf16X, Bf16Y, true, true>),
                               (W8A8Binding<Bf16X, Bf16Y>()));

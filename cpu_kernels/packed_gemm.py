@@ -15,6 +15,10 @@ output in k order whatever the batch (so a row's result is the same solo or batc
                              (x @ up), the MLP's activation as the GEMM's epilogue (bf16 only)
     `rows` (an int32 scalar, may be traced): x's rows (flattened) past it are padding, not
                              computed: their outputs are zero. None: every row is computed.
+    `amx` (bf16 weights): the same weights met by the CPU's AMX tiles (`tdpbf16ps`) instead
+                             of AVX512-BF16; `amx_why_not()` says where it cannot run. Each
+                             row's sums are in k order either way, so batch invariance holds
+                             for each; the two agree to float32 rounding.
     silu_mul_why_not(packed) None where `silu_mul` covers this packed weight here
 """
 from __future__ import annotations
@@ -47,6 +51,27 @@ def unavailable_reason() -> str | None:
         if reason:
             return reason
     return None
+
+
+def amx_why_not() -> str | None:
+    """None where the bf16 handlers' AMX variants run here, else why not."""
+    reason = availability.amx_unavailable_reason()
+    if reason:
+        return reason
+    for symbol, target in (_HANDLERS[jnp.dtype(jnp.uint16)][:2], _BF16_OUT, _SILU_MUL):
+        reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(symbol, target))
+        if reason:
+            return reason
+    return None
+
+
+def _variant(symbol: str, target: str, amx: bool) -> tuple[str, str]:
+    if not amx:
+        return symbol, target
+    reason = amx_why_not()
+    if reason:
+        raise RuntimeError(f"packed_gemm's AMX variant cannot run here: {reason}")
+    return availability.amx_variant(symbol, target)
 
 
 def why_not(dtype, k: int, n: int) -> str | None:
@@ -96,7 +121,7 @@ def _rows_operand(rows, m: int):
     return jnp.reshape(jnp.asarray(rows, jnp.int32), (1,))
 
 
-def matmul(x, packed, out_dtype=jnp.float32, rows=None):
+def matmul(x, packed, out_dtype=jnp.float32, rows=None, amx=False):
     """x [.., K] @ the packed [K, N] weight -> [.., N] float32, accumulated in float32 (x cast
     to the weight's dtype). `out_dtype` bf16 with bf16 weights: the kernel rounds the result to
     bf16 itself (as `.astype(bfloat16)` would, without a pass over the float32 result)."""
@@ -107,6 +132,9 @@ def matmul(x, packed, out_dtype=jnp.float32, rows=None):
     k, n = in_out_shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
+    if amx and x_dtype != jnp.bfloat16:
+        raise ValueError("packed_gemm: the AMX variant takes bf16 weights")
+    symbol, target = _variant(symbol, target, amx)
     reason = availability.register(SOURCE, symbol, target)
     if reason:
         raise RuntimeError(f"packed_gemm cannot run here: {reason}")
@@ -126,7 +154,7 @@ def silu_mul_why_not(packed) -> str | None:
     return unavailable_reason()
 
 
-def silu_mul(x, packed, rows=None):
+def silu_mul(x, packed, rows=None, amx=False):
     """x [.., K] bf16 @ the packed bf16 [K, 2 I] weight [gate | up] -> [.., I] bf16:
     silu(gate) * up as `jaxbatch.model.layers.activation` computes it on the bf16 gate and up
     (its reference: `matmul(x, packed, bfloat16)` split in two, then that activation times up)."""
@@ -138,6 +166,7 @@ def silu_mul(x, packed, rows=None):
         raise ValueError(f"packed_gemm: x [.., {k}] expected, got {x.shape}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.bfloat16)
-    y = jax.ffi.ffi_call(_SILU_MUL[1], jax.ShapeDtypeStruct((x2.shape[0], n // 2), jnp.bfloat16))(
+    target = _variant(*_SILU_MUL, amx)[1]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n // 2), jnp.bfloat16))(
         x2, packed, _rows_operand(rows, x2.shape[0]))
     return y.reshape(*lead, n // 2)

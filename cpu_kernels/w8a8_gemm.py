@@ -12,6 +12,8 @@ same float32 operations in the same order).
     silu_mul(x [.., K] bf16, packed [gate | up], rows=None) -> [.., N / 2] bf16: silu(gate) *
                              up, rounded as the bf16 GEMM's epilogue rounds
     `rows`: as packed_gemm's (x's rows past it are padding: not computed, zero out)
+    `amx`: the same weights met by the CPU's AMX int8 tiles (`tdpbusd`): the same int32 sums,
+                             so the same bits; `amx_why_not()` says where it cannot run
 """
 from __future__ import annotations
 
@@ -47,6 +49,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def amx_why_not() -> str | None:
+    """None where the AMX variants run here, else why not."""
+    reason = availability.amx_unavailable_reason()
+    if reason:
+        return reason
+    for handler in (_F32, _BF16, _SILU_MUL):
+        reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(*handler))
+        if reason:
+            return reason
+    return None
+
+
 def why_not(k: int, n: int) -> str | None:
     if n % BLOCK or k % PER_STEP or not k or not n:
         return f"a [{k}, {n}] weight: out not a multiple of {BLOCK} or in not of {PER_STEP}"
@@ -77,8 +91,13 @@ def unpack(values):
     return w.reshape(steps * PER_STEP, blocks * BLOCK)
 
 
-def _call(handler, x, packed: PackedInt8, out_cols: int, out_dtype, rows):
+def _call(handler, x, packed: PackedInt8, out_cols: int, out_dtype, rows, amx):
     symbol, target = handler
+    if amx:
+        reason = amx_why_not()
+        if reason:
+            raise RuntimeError(f"w8a8_gemm's AMX variant cannot run here: {reason}")
+        symbol, target = availability.amx_variant(symbol, target)
     k, _ = in_out_shape(packed.values)
     if x.shape[-1] != k:
         raise ValueError(f"w8a8_gemm: x [.., {k}] expected, got {x.shape}")
@@ -94,14 +113,14 @@ def _call(handler, x, packed: PackedInt8, out_cols: int, out_dtype, rows):
     return y.reshape(*lead, out_cols)
 
 
-def matmul(x, packed: PackedInt8, out_dtype=None, rows=None):
+def matmul(x, packed: PackedInt8, out_dtype=None, rows=None, amx=False):
     """x [.., K] bf16 or float32 -> [.., N]: bf16 x gives bf16 (rounded in the kernel, as the
     reference's convert rounds), float32 x float32; then `out_dtype`."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     _, n = in_out_shape(packed.values)
     if x.dtype == jnp.bfloat16:
-        return _call(_BF16, x, packed, n, jnp.bfloat16, rows).astype(out_dtype)
-    y = _call(_F32, x.astype(jnp.float32), packed, n, jnp.float32, rows)
+        return _call(_BF16, x, packed, n, jnp.bfloat16, rows, amx).astype(out_dtype)
+    y = _call(_F32, x.astype(jnp.float32), packed, n, jnp.float32, rows, amx)
     return y.astype(out_dtype)
 
 
@@ -111,10 +130,10 @@ def silu_mul_why_not(packed: PackedInt8) -> str | None:
     return unavailable_reason()
 
 
-def silu_mul(x, packed: PackedInt8, rows=None):
+def silu_mul(x, packed: PackedInt8, rows=None, amx=False):
     """x [.., K] bf16 @ [gate | up] -> [.., N / 2] bf16 silu(gate) * up (the bf16 GEMM's
     epilogue on the dequantized products)."""
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"w8a8_gemm.silu_mul: bf16 x expected, got {x.dtype}")
     _, n = in_out_shape(packed.values)
-    return _call(_SILU_MUL, x, packed, n // 2, jnp.bfloat16, rows)
+    return _call(_SILU_MUL, x, packed, n // 2, jnp.bfloat16, rows, amx)

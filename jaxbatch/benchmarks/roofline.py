@@ -66,23 +66,27 @@ def read_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
 
 
 def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
-    """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: XLA's dot, or our packed GEMM kernel
-    (`cpu_kernels.packed_gemm`, what the engine's matmuls run on a CPU it covers) where that
-    is faster, so the floor is the faster of the two; for w8a8, the seam's two forms'."""
+    """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: the fastest of XLA's dot and the
+    seam's forms that run here (our packed GEMM on AVX512, and on AMX tiles where the CPU has
+    them), so the floor is the fastest a step could take; for w8a8, the seam's int8 forms'."""
     import jax
     import jax.numpy as jnp
-    from cpu_kernels import packed_gemm
-    from jaxbatch.worker.kernel_forms import OutInW8A8, PackedW8A8
+    from cpu_kernels import packed_gemm, w8a8_gemm
+    from jaxbatch.worker.kernel_forms import (AmxPacked, AmxPackedW8A8, OutInW8A8, Packed,
+                                              PackedW8A8)
+    apply = jax.jit(lambda x, form: form.apply(x, out_dtype=jnp.float32))
     a = jnp.ones((n, n), dtype)
     if quantization == "w8a8":
         w = (np.ones((n, n), np.int8), np.ones(n, np.float32))
-        return 2 * n ** 3 / min(_best_seconds(jax.jit(lambda x, f: f.apply(x)), a, form.of(*w))
-                                for form in (PackedW8A8, OutInW8A8))
-    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    best = _best_seconds(dot, a, a)
+        forms = [PackedW8A8, OutInW8A8] + [AmxPackedW8A8] * (w8a8_gemm.amx_why_not() is None)
+        return 2 * n ** 3 / min(_best_seconds(apply, a, form.of(*w)) for form in forms)
+    best = _best_seconds(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)),
+                         a, a)
     if packed_gemm.why_not(dtype, n, n) is None:
-        packed = jnp.asarray(packed_gemm.pack(np.ones((n, n), dtype)))
-        best = min(best, _best_seconds(jax.jit(packed_gemm.matmul), a, packed))
+        amx = jnp.dtype(dtype) == jnp.bfloat16 and packed_gemm.amx_why_not() is None
+        w = np.ones((n, n), dtype)
+        best = min([best] + [_best_seconds(apply, a, form.of(w, a))
+                             for form in [Packed] + [AmxPacked] * amx])
     return 2 * n ** 3 / best
 
 

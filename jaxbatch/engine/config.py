@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATIONS = (None, "int8", "w8a8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KERNEL_MODES = ("auto", "off", "required")
-CPU_GEMMS = ("auto", "packed", "xla")
+CPU_GEMMS = ("auto", "amx", "packed", "xla")
 WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = (None, "last", "mean", "cls")
@@ -164,10 +164,10 @@ class RuntimeOptions:
     kv_prefetch: bool = option(True, "the C++ decode attention names the next layer's KV pages "
                                "to the GEMMs before it, which request them into cache (results "
                                "are the same either way)")
-    cpu_gemm: str = option("auto", "a bf16 or w8a8 model's matmuls on a CPU: packed (our "
-                           "AVX512-BF16 / VNNI kernels over packed weights), xla (XLA's dots, "
-                           "which run oneDNN's AMX tiles on a CPU that has them), or auto: xla "
-                           "where the CPU has AMX, else packed", CPU_GEMMS)
+    cpu_gemm: str = option("auto", "a bf16 or w8a8 model's matmuls on a CPU: our kernels over "
+                           "packed weights on amx (AMX tiles; an error where the CPU lacks them) "
+                           "or packed (AVX512-BF16 / VNNI), xla (XLA's dots), or auto: amx where "
+                           "the CPU has AMX, else packed", CPU_GEMMS)
     weight_layout: str = option("auto", "layer matrices kept apart per layer (auto on a CPU: "
                                 "each matmul reads its weight in place) or stacked [L, in, out] "
                                 "(auto elsewhere)", WEIGHT_LAYOUTS)

@@ -1,6 +1,7 @@
 """The typed weights the kernels read, each defined beside the call it makes: `Packed` for the
-packed bf16 / float32 GEMM (`cpu_kernels.packed_gemm`), and the W8A8 forms, int8 matrices
-against activations quantized per token: `PackedW8A8` (`cpu_kernels.w8a8_gemm`, VNNI),
+packed bf16 / float32 GEMM (`cpu_kernels.packed_gemm`; `AmxPacked`, the same over AMX tiles),
+and the W8A8 forms, int8 matrices against activations quantized per token: `PackedW8A8`
+(`cpu_kernels.w8a8_gemm`, VNNI; `AmxPackedW8A8`, AMX int8 tiles),
 `OutInW8A8` (XLA's int8 dots, [out, in]: oneDNN's AMX int8 tiles where the CPU has
 them), `PallasW8A8` (`pallas_kernels.w8a8`, a GPU's int8 MMA) and `W8A8` (the jnp reference
 all equal). `weight_forms.prepare` gives matrices these forms; `model/linear.py` names none."""
@@ -21,11 +22,14 @@ SILU_EPILOGUE_MIN_ROWS = 32
 
 
 class Packed(Linear):
-    """A matrix packed for `cpu_kernels.packed_gemm` ([N / 16, K / s, 16 s], bf16 as bits)."""
+    """A matrix packed for `cpu_kernels.packed_gemm` ([N / 16, K / s, 16 s], bf16 as bits),
+    met by AVX512 (`vdpbf16ps`, float32 FMAs)."""
     packed: object
+    amx = False
 
     def apply(self, x, rows=None, out_dtype=None):
-        return packed_gemm.matmul(x, self.packed, out_dtype=out_dtype or x.dtype, rows=rows)
+        return packed_gemm.matmul(x, self.packed, out_dtype=out_dtype or x.dtype, rows=rows,
+                                  amx=self.amx)
 
     def fuses(self, epilogue, x) -> bool:
         return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
@@ -35,7 +39,7 @@ class Packed(Linear):
     def apply_epilogue(self, x, epilogue, rows=None):
         if not self.fuses(epilogue, x):
             return super().apply_epilogue(x, epilogue, rows)
-        return packed_gemm.silu_mul(x, self.packed, rows=rows)
+        return packed_gemm.silu_mul(x, self.packed, rows=rows, amx=self.amx)
 
     in_out = property(lambda self: packed_gemm.in_out_shape(self.packed))
 
@@ -49,7 +53,13 @@ class Packed(Linear):
         return cls(packed if isinstance(like, np.ndarray) else jnp.asarray(packed))
 
 
+class AmxPacked(Packed):
+    """The same bf16 matrix, as packed, met by the CPU's AMX tiles (`tdpbf16ps`)."""
+    amx = True
+
+
 Packed = pytree_weight(Packed, ("packed",))
+AmxPacked = pytree_weight(AmxPacked, ("packed",))
 
 
 class W8A8(Linear):
@@ -116,12 +126,14 @@ class PackedW8A8(Linear):
     values: object
     scale: object
     comp: object
+    amx = False
 
     def _packed(self) -> w8a8_gemm.PackedInt8:
         return w8a8_gemm.PackedInt8(self.values, self.scale, self.comp)
 
     def apply(self, x, rows=None, out_dtype=None):
-        return w8a8_gemm.matmul(x, self._packed(), out_dtype=out_dtype or x.dtype, rows=rows)
+        return w8a8_gemm.matmul(x, self._packed(), out_dtype=out_dtype or x.dtype, rows=rows,
+                                amx=self.amx)
 
     def fuses(self, epilogue, x) -> bool:
         return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
@@ -131,7 +143,7 @@ class PackedW8A8(Linear):
     def apply_epilogue(self, x, epilogue, rows=None):
         if not self.fuses(epilogue, x):
             return super().apply_epilogue(x, epilogue, rows)
-        return w8a8_gemm.silu_mul(x, self._packed(), rows=rows)
+        return w8a8_gemm.silu_mul(x, self._packed(), rows=rows, amx=self.amx)
 
     in_out = property(lambda self: w8a8_gemm.in_out_shape(self.values))
     dtype_name = property(lambda self: "int8")
@@ -152,9 +164,16 @@ class PackedW8A8(Linear):
         return cls(*packed)
 
 
+class AmxPackedW8A8(PackedW8A8):
+    """The same, met by the CPU's AMX int8 tiles (`tdpbusd`): the same int32 sums."""
+    amx = True
+
+
 W8A8 = pytree_weight(W8A8, ("values", "scale"))
 OutInW8A8 = pytree_weight(OutInW8A8, ("values", "scale"))
 PallasW8A8 = pytree_weight(PallasW8A8, ("values", "scale"))
 PackedW8A8 = pytree_weight(PackedW8A8, ("values", "scale", "comp"))
-W8A8_KERNELS = {"cpu": PackedW8A8, "xla": OutInW8A8, "pallas": PallasW8A8, "jnp": W8A8}
+AmxPackedW8A8 = pytree_weight(AmxPackedW8A8, ("values", "scale", "comp"))
+W8A8_KERNELS = {"amx": AmxPackedW8A8, "cpu": PackedW8A8, "xla": OutInW8A8,
+                "pallas": PallasW8A8, "jnp": W8A8}
 W8A8_FORMS = tuple(W8A8_KERNELS.values())

@@ -1,13 +1,14 @@
 """The kernel seam: what runs each heavy operation of an engine, chosen once, with the reason.
 
     matmul              the weights' form (`weight_forms.py`): packed for our C++ GEMM
-                        (`cpu_kernels.packed_gemm`, its silu * up epilogue included), or the
-                        forms XLA's dots read best
+                        (`cpu_kernels.packed_gemm`, its silu * up epilogue included; a bf16
+                        model's met by AMX tiles where the CPU has them, else AVX512-BF16),
+                        or the forms XLA's dots read best (cpu_gemm='xla')
     w8a8                `quantization="w8a8"`: the int8 matrices' kernel against activations
-                        quantized per token: on a CPU, XLA's int8 dots where it has AMX
-                        (oneDNN's int8 tiles), else `cpu_kernels.w8a8_gemm` (AVX512-VNNI;
-                        refused where it cannot run); the Pallas kernel on a GPU; else the
-                        jnp reference
+                        quantized per token: on a CPU `cpu_kernels.w8a8_gemm` over AMX int8
+                        tiles where it has them, else AVX512-VNNI (refused where neither
+                        runs), or XLA's int8 dots (cpu_gemm='xla'); the Pallas kernel on a
+                        GPU; else the jnp reference
     add_norm            a residual add and the RMSNorm after it: `cpu_kernels.add_rms_norm`
                         (bf16) or jnp
     decode_attention    the xla backend's decode attention: `cpu_kernels.paged_decode` or jnp
@@ -47,7 +48,7 @@ from jaxbatch.worker.weight_forms import WeightForm
 logger = logging.getLogger(__name__)
 
 CPU_KERNEL_MODES = ("auto", "off", "required")
-CPU_GEMMS = ("auto", "packed", "xla")
+CPU_GEMMS = ("auto", "amx", "packed", "xla")
 WEIGHT_LAYOUTS = ("auto", "per_layer", "stacked")
 
 
@@ -56,7 +57,7 @@ class KernelOptions:
     cpu_kernels: str = "auto"       # auto: where they run; off: never; required: or an error
     kv_prefetch: bool = True
     weight_layout: str = "auto"     # auto: per layer on CPU, stacked elsewhere
-    cpu_gemm: str = "auto"          # matmuls (bf16, w8a8): our kernels, or XLA's (AMX) dots
+    cpu_gemm: str = "auto"          # matmuls (bf16, w8a8): our kernels on AMX or AVX512, or XLA's
     int8_activations: bool = False  # quantization="w8a8": int8 matrices x int8 activations
 
 
@@ -109,12 +110,16 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
 
     heads = (pool_dtype, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
              model_cfg.attn_soft_cap)
-    amx_dots = on_cpu and options.cpu_kernels != "off" and _xla_dots_for_bf16(dtype, options)
-    if amx_dots:
-        reasons["matmul"] = f"XLA dots ({amx_dots})"
+    amx = False
+    if (on_cpu and options.cpu_gemm == "xla" and dtype == jnp.bfloat16
+            and options.cpu_kernels != "off"):
+        reasons["matmul"] = "XLA dots (cpu_gemm='xla')"
         packed = False
     else:
         packed = cpu_kernel("matmul", _gemm_reason(dtype, per_layer), "packed_gemm", "XLA dots")
+        amx = packed and dtype == jnp.bfloat16 and _amx_tiles(options, packed_gemm.amx_why_not)
+        if amx:
+            reasons["matmul"] += " (AMX tiles)"
     norm = cpu_kernel("add_norm", _norm_reason(dtype, per_layer), "add_rms_norm", "jnp")
     decode = cpu_kernel("decode_attention", paged_decode.why_not(*heads), "paged_decode",
                         "jnp work lists")
@@ -131,7 +136,8 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
     if options.int8_activations:
         w8a8_kernel, reasons["w8a8"] = _w8a8_kernel(platform, options, per_layer)
     form = WeightForm(per_layer=per_layer, transposed=on_cpu and per_layer, bits=on_cpu,
-                      fused=on_cpu and per_layer, packed=packed, w8a8_kernel=w8a8_kernel)
+                      fused=on_cpu and per_layer, packed=packed, amx=amx,
+                      w8a8_kernel=w8a8_kernel)
     reasons["weights"] = form.describe()
     reasons = tuple(reasons.items())
     return KernelChoice(
@@ -150,9 +156,9 @@ def log_choice(choice: KernelChoice) -> None:
 
 
 def _w8a8_kernel(platform: str, options: KernelOptions, per_layer: bool) -> tuple[str, str]:
-    """(W8A8 kernel, why): on a CPU, XLA's int8 dots where it has AMX (oneDNN's int8 tiles) or
-    cpu_gemm='xla', else the VNNI kernel (or an error where it cannot run); the Pallas kernel
-    on a GPU; else the jnp reference."""
+    """(W8A8 kernel, why): on a CPU our kernel over AMX int8 tiles where it has them, else over
+    AVX512-VNNI (an error where neither runs), or XLA's int8 dots (cpu_gemm='xla'); the Pallas
+    kernel on a GPU; else the jnp reference."""
     if platform == "gpu":
         return "pallas", "pallas_kernels.w8a8 (int8 MMA)"
     if platform != "cpu":
@@ -160,35 +166,31 @@ def _w8a8_kernel(platform: str, options: KernelOptions, per_layer: bool) -> tupl
     if options.cpu_kernels == "off":
         reason = "turned off (cpu_kernels='off')"
     elif options.cpu_gemm == "xla":
-        return _w8a8_on_xla(per_layer, "cpu_gemm='xla'")
-    elif options.cpu_gemm == "auto" and availability.cpu_has("amx_int8"):
-        return _w8a8_on_xla(per_layer, "this CPU has AMX: oneDNN's int8 tiles")
+        if not per_layer:
+            return "jnp", "the jnp reference: XLA's int8 dots, [in, out] (stacked layout)"
+        return "xla", "XLA's int8 dots, [out, in] (cpu_gemm='xla'; activations quantized per token)"
     else:
         reason = w8a8_gemm.unavailable_reason()
     if reason:
-        raise ValueError(f"quantization='w8a8' runs on this CPU's AVX512-VNNI kernel "
+        raise ValueError(f"quantization='w8a8' runs on this CPU's AVX512-VNNI or AMX kernel "
                          f"(cpu_kernels.w8a8_gemm), which cannot run here: {reason}; "
                          "quantization='int8' (weight-only) runs anywhere")
     if not per_layer:
         return "jnp", "the jnp reference (stacked weight layout: the kernel takes per-layer weights)"
+    if _amx_tiles(options, w8a8_gemm.amx_why_not):
+        return "amx", "cpu_kernels.w8a8_gemm (AMX int8 tiles, activations quantized per token)"
     return "cpu", "cpu_kernels.w8a8_gemm (AVX512-VNNI, activations quantized per token)"
 
 
-def _w8a8_on_xla(per_layer: bool, why: str) -> tuple[str, str]:
-    if not per_layer:
-        return "jnp", f"the jnp reference: XLA's int8 dots, [in, out] (stacked layout; {why})"
-    return "xla", f"XLA's int8 dots, [out, in] ({why}; activations quantized per token)"
-
-
-def _xla_dots_for_bf16(dtype, options: KernelOptions) -> str | None:
-    """Why a bf16 model's matmuls take XLA's dots over the packed kernel, or None: XLA:CPU's
-    dots run oneDNN's AMX tiles where the CPU has AMX, several times the AVX512-BF16 kernel's
-    rate from a few dozen rows on."""
-    if dtype != jnp.bfloat16 or options.cpu_gemm == "packed":
-        return None
-    if options.cpu_gemm == "xla":
-        return "cpu_gemm='xla'"
-    return "this CPU has AMX: oneDNN's tiles" if availability.cpu_has("amx_bf16") else None
+def _amx_tiles(options: KernelOptions, why_not) -> bool:
+    """Whether our GEMM meets its packed weights with AMX tiles: cpu_gemm 'amx' (or an error
+    saying why it cannot), or 'auto' where the CPU has them; 'packed' keeps AVX512."""
+    if options.cpu_gemm not in ("auto", "amx"):
+        return False
+    reason = why_not()
+    if reason and options.cpu_gemm == "amx":
+        raise ValueError(f"cpu_gemm='amx', but AMX tiles cannot run here: {reason}")
+    return reason is None
 
 
 def _gemm_reason(dtype, per_layer: bool) -> str | None:

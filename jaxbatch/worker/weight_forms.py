@@ -15,9 +15,12 @@ stacks, int8 matrices as {"int8", "scale"}); each matrix becomes a typed weight
                 once for it (`Packed`): XLA:CPU's dots of a few rows run far under the
                 machine's bf16 and float32 rates, the kernel reads each packed weight once
                 per call at close to them
+    amx         the packed bf16 matrices met by the CPU's AMX tiles (`AmxPacked`) instead of
+                AVX512-BF16: where the CPU has them, several times the rate
     w8a8        int8 matrices multiplied against activations quantized per token
                 (`quantization="w8a8"`), their q/k/v and gate/up parts fused per layer:
-                packed for the CPU's VNNI kernel (`PackedW8A8`, `w8a8_kernel="cpu"`), [out,
+                packed for the CPU's VNNI kernel (`PackedW8A8`, `w8a8_kernel="cpu"`) or its
+                AMX int8 tiles (`AmxPackedW8A8`, "amx"), [out,
                 in] for XLA's int8 dots ("xla", `OutInW8A8`), the Pallas kernel ("pallas")
                 or the jnp reference ("jnp"), `W8A8`
 
@@ -35,8 +38,9 @@ import numpy as np
 from cpu_kernels import packed_gemm, w8a8_gemm
 from jaxbatch.model.layers import FUSED
 from jaxbatch.model.linear import Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer
-from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, OutInW8A8, Packed,
-                                          PackedW8A8, PallasW8A8)
+from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, AmxPacked,
+                                          AmxPackedW8A8, OutInW8A8, Packed, PackedW8A8,
+                                          PallasW8A8)
 
 @dataclasses.dataclass(frozen=True)
 class WeightForm:
@@ -45,6 +49,7 @@ class WeightForm:
     bits: bool = False
     fused: bool = False
     packed: bool = False
+    amx: bool = False
     w8a8_kernel: str | None = None      # int8 matrices against int8 activations: W8A8_KERNELS
 
     def describe(self) -> str:
@@ -66,16 +71,17 @@ def prepare(params: dict, form: WeightForm) -> dict:
         typed = _fuse(typed)
     if form.w8a8_kernel:
         typed = _w8a8(typed, W8A8_KERNELS[form.w8a8_kernel], fuse=form.fused)
+    packed_form = AmxPacked if form.amx else Packed
     if form.packed:
-        typed = {name: _packed(value) for name, value in typed.items()}
+        typed = {name: _packed(value, packed_form) for name, value in typed.items()}
     out = {**{k: v for k, v in plain.items() if k not in ("lm_head", "tied_head")},
            "layers": typed}
     if "lm_head" in plain:
         head = plain["lm_head"]
-        out["lm_head"] = (Packed.of(head, head) if form.packed and _covered(head)
+        out["lm_head"] = (packed_form.of(head, head) if form.packed and _covered(head)
                           else Dense(head))
     elif form.packed and _covered(np.asarray(plain["embed"]).T):
-        out["tied_head"] = Packed.of(np.asarray(plain["embed"]).T, plain["embed"])   # [d, V]
+        out["tied_head"] = packed_form.of(np.asarray(plain["embed"]).T, plain["embed"])  # [d, V]
     return out
 
 
@@ -90,10 +96,11 @@ def _in_form(params: dict, form: WeightForm) -> bool:
     fused = any(name in params["layers"] for name in FUSED)
     forms = [w for w in jax.tree.leaves(params, is_leaf=is_linear_leaf) if isinstance(w, Linear)]
     packed = any(isinstance(w, Packed) for w in forms)
+    amx = any(isinstance(w, AmxPacked) for w in forms)
     w8a8_forms = {type(w) for w in forms if isinstance(w, W8A8_FORMS)}
     w8a8_form = {W8A8_KERNELS[form.w8a8_kernel]} if form.w8a8_kernel else set()
     return (per_layer == form.per_layer and fused == form.fused and packed == form.packed
-            and w8a8_forms == w8a8_form)
+            and amx == (form.packed and form.amx) and w8a8_forms == w8a8_form)
 
 
 def is_linear_leaf(value) -> bool:
@@ -207,22 +214,22 @@ def _w8a8(layers: dict, form_class, fuse: bool) -> dict:
 
 # W8A8 forms of one layer's matrix; stacks, and matrices the VNNI kernel does not cover, take
 # the reference
-PER_LAYER_ONLY = (PackedW8A8, OutInW8A8)
+PER_LAYER_ONLY = (PackedW8A8, AmxPackedW8A8, OutInW8A8)
 
 
 def _w8a8_matrix(w: Int8, form_class) -> Linear:
-    if form_class is PackedW8A8 and w8a8_gemm.why_not(*w.in_out) is not None:
+    if issubclass(form_class, PackedW8A8) and w8a8_gemm.why_not(*w.in_out) is not None:
         form_class = W8A8
     return form_class.of(w.values, w.scale)
 
 
-def _packed(value):
+def _packed(value, packed_form):
     """Per-layer [out, in] float matrices the GEMM covers -> packed; the rest unchanged."""
     if not (isinstance(value, PerLayer) and all(isinstance(w, OutIn) for w in value.layers)):
         return value
     if packed_gemm.why_not(value.layers[0].w.dtype, *value.in_out) is not None:
         return value
-    return PerLayer(tuple(Packed.of(w.w.T, w.w) for w in value.layers))
+    return PerLayer(tuple(packed_form.of(w.w.T, w.w) for w in value.layers))
 
 
 def _covered(head) -> bool:
@@ -313,9 +320,11 @@ def matrix_shapes(params: dict) -> dict[str, tuple[int, int]]:
 def matmuls(params: dict) -> str:
     """What runs the weight matmuls (stats()): our packed GEMM kernel, or XLA's dots."""
     forms = {type(w) for w in jax.tree.leaves(params, is_leaf=is_linear_leaf)}
-    names = [name for form, name in ((PackedW8A8, "cpu_kernels.w8a8_gemm"),
+    names = [name for form, name in ((AmxPackedW8A8, "cpu_kernels.w8a8_gemm (AMX)"),
+                                     (PackedW8A8, "cpu_kernels.w8a8_gemm"),
                                      (OutInW8A8, "XLA's int8 dots"),
                                      (PallasW8A8, "pallas_kernels.w8a8"),
                                      (W8A8, "the jnp W8A8 reference"),
+                                     (AmxPacked, "cpu_kernels.packed_gemm (AMX)"),
                                      (Packed, "cpu_kernels.packed_gemm")) if form in forms]
     return " + ".join(names) or "XLA dots"

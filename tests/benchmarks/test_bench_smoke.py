@@ -313,31 +313,33 @@ def test_roofline_gemm_peak_multiplies_in_the_dtype_it_is_given(monkeypatch):
     assert [str(d) for d in seen] == ["float32", "bfloat16"]
 
 
-def test_roofline_gemm_peak_is_the_faster_of_xlas_dot_and_our_kernel(monkeypatch):
+def test_roofline_gemm_peak_is_the_fastest_of_xlas_dot_and_the_seams_forms(monkeypatch):
     from cpu_kernels import packed_gemm
     from jaxbatch.benchmarks import roofline
+    from jaxbatch.worker.kernel_forms import AmxPacked, Packed
     if packed_gemm.why_not("bfloat16", 16, 16) is not None:
         pytest.skip("the packed GEMM kernel does not run here")
-    # the kernel's call gets a packed (3-D) weight: half the seconds of XLA's dot
-    monkeypatch.setattr(roofline, "_best_seconds",
-                        lambda fn, *args, **kw: 0.5 if args[1].ndim == 3 else 1.0)
-    assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / 0.5
-    monkeypatch.setattr(roofline, "_best_seconds",
-                        lambda fn, *args, **kw: 2.0 if args[1].ndim == 3 else 1.0)
-    assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / 1.0
+    amx = packed_gemm.amx_why_not() is None
+    for dot_s, avx512_s, amx_s in ((1.0, 0.5, 0.25), (1.0, 2.0, 2.0), (1.0, 0.5, 2.0)):
+        monkeypatch.setattr(roofline, "_best_seconds", lambda fn, x, w, **kw: (
+            amx_s if isinstance(w, AmxPacked) else avx512_s if isinstance(w, Packed) else dot_s))
+        fastest = min(dot_s, avx512_s, amx_s if amx else float("inf"))
+        assert roofline.gemm_peak("bfloat16", n=16) == 2 * 16 ** 3 / fastest
 
 
-def test_roofline_w8a8_peak_is_the_faster_of_the_seams_two_forms(monkeypatch):
+def test_roofline_w8a8_peak_is_the_fastest_of_the_seams_forms(monkeypatch):
     from cpu_kernels import w8a8_gemm
     from jaxbatch.benchmarks import roofline
-    from jaxbatch.worker.kernel_forms import OutInW8A8
+    from jaxbatch.worker.kernel_forms import AmxPackedW8A8, OutInW8A8
     if w8a8_gemm.unavailable_reason() is not None:
         pytest.skip("the VNNI kernel does not run here")
-    for xla_s, vnni_s in ((0.5, 1.0), (1.0, 0.25)):
+    amx = w8a8_gemm.amx_why_not() is None
+    for xla_s, vnni_s, amx_s in ((0.5, 1.0, 2.0), (1.0, 0.25, 2.0), (1.0, 0.5, 0.125)):
         monkeypatch.setattr(roofline, "_best_seconds", lambda fn, x, form, **kw: (
-            xla_s if isinstance(form, OutInW8A8) else vnni_s))
-        assert roofline.gemm_peak("bfloat16", n=16, quantization="w8a8") == (
-            2 * 16 ** 3 / min(xla_s, vnni_s))
+            xla_s if isinstance(form, OutInW8A8) else
+            amx_s if isinstance(form, AmxPackedW8A8) else vnni_s))
+        fastest = min(xla_s, vnni_s, amx_s if amx else float("inf"))
+        assert roofline.gemm_peak("bfloat16", n=16, quantization="w8a8") == 2 * 16 ** 3 / fastest
 
 
 def test_roofline_decode_floor_is_the_larger_of_bandwidth_and_compute():

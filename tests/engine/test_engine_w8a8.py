@@ -1,6 +1,6 @@
 """quantization="w8a8" end to end on a tiny random model: the kernel seam picks the CPU's VNNI
-kernel (cpu_gemm="packed") or XLA's int8 dots (cpu_gemm="xla", auto on an AMX CPU) and says
-so, a request's tokens are the same solo and batched, each gives the tokens of the jnp
+kernel (cpu_gemm="packed"), the same over AMX int8 tiles ("amx", auto on an AMX CPU) or XLA's
+int8 dots ("xla") and says so, a request's tokens are the same solo and batched, each gives the tokens of the jnp
 reference (the stacked layout runs the reference), and a CPU that cannot run the kernel
 refuses the option before anything loads."""
 from __future__ import annotations
@@ -42,13 +42,16 @@ def _tokens(engine, prompts=PROMPTS, params=PARAMS):
     return [list(o.outputs[0].token_ids) for o in run_all(engine, prompts, params)]
 
 
-SAYS = {"packed": ("cpu_kernels.w8a8_gemm", "w8a8 (cpu)"),
+SAYS = {"amx": ("cpu_kernels.w8a8_gemm (AMX int8 tiles", "w8a8 (amx)"),
+        "packed": ("cpu_kernels.w8a8_gemm (AVX512-VNNI", "w8a8 (cpu)"),
         "xla": ("XLA's int8 dots", "w8a8 (xla)")}
 
 
 @pytest.fixture(scope="module", params=sorted(SAYS))
 def kernel(request, tiny):
     """(cpu_gemm, its engine)"""
+    if request.param == "amx" and w8a8_gemm.amx_why_not() is not None:
+        pytest.skip(f"no AMX tiles here: {w8a8_gemm.amx_why_not()}")
     return request.param, _engine(tiny, cpu_gemm=request.param)
 
 

@@ -29,7 +29,7 @@ def tiny_engine_in(dtype, name: str = "llama_untied_gqa2", **kwargs) -> LLMEngin
     loaded = LoadedModel(cfg, params, None, f"tiny-{jnp.dtype(dtype).name}", 0.0, False)
     kwargs = {"max_num_seqs": 4, "max_model_len": 128, "prefill_chunk_size": 32,
               "warmup": False, "compilation_cache": False,
-              "cpu_gemm": "packed",    # the kernels' own GEMM, also where the CPU has AMX
+              "cpu_gemm": "packed",    # the AVX512 GEMM (test_cpu_amx_gemm.py runs AMX)
               **kwargs}
     return LLMEngine(loaded=loaded, **kwargs)
 

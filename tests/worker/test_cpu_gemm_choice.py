@@ -1,18 +1,21 @@
-"""The kernel seam's choice of a bf16 or w8a8 model's matmuls on a CPU (`cpu_gemm`): XLA's
-dots where the CPU has AMX (oneDNN's bf16 or int8 tiles) or when asked, our packed kernels
-(AVX512-BF16, VNNI) otherwise; a float32 model keeps the packed kernel (AMX has no float32
-tiles)."""
+"""The kernel seam's choice of a bf16 or w8a8 model's matmuls on a CPU (`cpu_gemm`): our kernels
+over packed weights, met by AMX tiles where the CPU has them (auto, or 'amx', refused where it
+cannot run) or by AVX512-BF16 / VNNI ('packed'), or XLA's dots ('xla'); a float32 model keeps
+the AVX512 kernel (AMX has no float32 tiles)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 
-from cpu_kernels import availability, packed_gemm, w8a8_gemm
+from cpu_kernels import packed_gemm, w8a8_gemm
 from jaxbatch.model.config import ModelConfig
 from jaxbatch.worker.kernels import KernelOptions, choose
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+HAS_AMX = packed_gemm.amx_why_not() is None
+needs_packed = pytest.mark.skipif(packed_gemm.unavailable_reason() is not None,
+                                  reason="no packed kernel here")
 
 
 def _choice(dtype, cpu_gemm):
@@ -26,17 +29,30 @@ def test_xla_asked_for_takes_xlas_dots_and_no_packed_weights():
     assert choice.describe()["matmul"] == "XLA dots (cpu_gemm='xla')"
 
 
-@pytest.mark.skipif(packed_gemm.unavailable_reason() is not None, reason="no packed kernel here")
-def test_packed_asked_for_and_float32_models_take_the_packed_kernel():
-    assert _choice(jnp.bfloat16, "packed").weight_form.packed
-    assert _choice(jnp.float32, "xla").weight_form.packed
+@needs_packed
+def test_packed_asked_for_and_float32_models_take_the_avx512_kernel():
+    for choice in (_choice(jnp.bfloat16, "packed"), _choice(jnp.float32, "xla"),
+                   _choice(jnp.float32, "auto")):
+        assert choice.weight_form.packed and not choice.weight_form.amx
+        assert "AMX" not in choice.describe()["matmul"]
 
 
-@pytest.mark.skipif(packed_gemm.unavailable_reason() is not None, reason="no packed kernel here")
+@needs_packed
 def test_auto_follows_the_cpus_amx():
     choice = _choice(jnp.bfloat16, "auto")
-    assert choice.weight_form.packed == (not availability.cpu_has("amx_bf16"))
-    assert ("AMX" in choice.describe()["matmul"]) == availability.cpu_has("amx_bf16")
+    assert choice.weight_form.packed
+    assert choice.weight_form.amx == HAS_AMX
+    assert ("AMX tiles" in choice.describe()["matmul"]) == HAS_AMX
+
+
+@needs_packed
+def test_amx_asked_for_runs_or_is_refused_saying_why(monkeypatch):
+    if HAS_AMX:
+        assert _choice(jnp.bfloat16, "amx").weight_form.amx
+    monkeypatch.setattr(packed_gemm, "amx_why_not", lambda: "this CPU lacks amx_bf16")
+    with pytest.raises(ValueError, match="cpu_gemm='amx'.*lacks amx_bf16"):
+        _choice(jnp.bfloat16, "amx")
+    assert not _choice(jnp.bfloat16, "auto").weight_form.amx
 
 
 def test_an_unknown_choice_is_refused():
@@ -50,17 +66,20 @@ def _w8a8_choice(cpu_gemm, cpu_kernels="auto"):
                                         int8_activations=True))
 
 
-def test_w8a8_takes_xlas_int8_dots_when_asked_and_on_an_amx_cpu():
+def test_w8a8_takes_xlas_int8_dots_when_asked():
     assert _w8a8_choice("xla").weight_form.w8a8_kernel == "xla"
-    auto = _w8a8_choice("auto") if availability.cpu_has("amx_int8") else None
-    if auto is not None:
-        assert auto.weight_form.w8a8_kernel == "xla"
-        assert "AMX" in auto.describe()["w8a8"]
 
 
 @pytest.mark.skipif(w8a8_gemm.unavailable_reason() is not None, reason="no VNNI kernel here")
-def test_w8a8_packed_asked_for_takes_the_vnni_kernel():
+def test_w8a8_auto_takes_amx_tiles_where_the_cpu_has_them_and_packed_vnni(monkeypatch):
+    auto = _w8a8_choice("auto")
+    assert auto.weight_form.w8a8_kernel == ("amx" if HAS_AMX else "cpu")
+    assert ("AMX" in auto.describe()["w8a8"]) == HAS_AMX
     assert _w8a8_choice("packed").weight_form.w8a8_kernel == "cpu"
+    monkeypatch.setattr(w8a8_gemm, "amx_why_not", lambda: "this CPU lacks amx_int8")
+    assert _w8a8_choice("auto").weight_form.w8a8_kernel == "cpu"
+    with pytest.raises(ValueError, match="cpu_gemm='amx'.*lacks amx_int8"):
+        _w8a8_choice("amx")
 
 
 def test_w8a8_with_the_cpu_kernels_off_is_refused_even_where_xla_could_run_it():
