@@ -40,6 +40,7 @@ _BF16_OUT = ("JaxbatchPackedGemmBf16Out", "jaxbatch_packed_gemm_bf16_out")
 # bf16 [gate | up] weights, bf16 x -> silu(gate) * up in bf16 (a bf16 model's MLP)
 _SILU_MUL = ("JaxbatchPackedGemmSiluMul", "jaxbatch_packed_gemm_silu_mul")
 TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values()) + (_BF16_OUT[1], _SILU_MUL[1])
+TARGETS += tuple(availability.amx_variant("", target)[1] for target in (TARGETS[0],) + TARGETS[2:])
 BLOCK = 16                                  # output columns per packed block (one zmm of f32)
 _STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32):
            jnp.dtype(jnp.float32)}

@@ -33,6 +33,7 @@ _F32 = ("JaxbatchW8A8Gemm", "jaxbatch_w8a8_gemm")
 _BF16 = ("JaxbatchW8A8GemmBf16", "jaxbatch_w8a8_gemm_bf16")
 _SILU_MUL = ("JaxbatchW8A8GemmSiluMul", "jaxbatch_w8a8_gemm_silu_mul")
 TARGETS = (_F32[1], _BF16[1], _SILU_MUL[1])
+TARGETS += tuple(availability.amx_variant("", target)[1] for target in TARGETS)
 
 
 class PackedInt8(NamedTuple):
