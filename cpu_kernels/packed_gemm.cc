@@ -46,6 +46,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "attention_simd.h"
 #include "kv_prefetch.h"
@@ -360,14 +361,15 @@ struct Job : jaxbatch_pool::JobCounters {
 //   decode (M <= 16): tmm0..5 accumulate 6 column blocks (silu * up: 3 gate blocks and their
 //     up blocks), tmm6 holds x's rows, tmm7 the block being read; a unit is those 6 blocks, its
 //     panel streamed from memory once.
-//   prefill (M > 16): tmm0..3 accumulate 2 row groups by 2 blocks (silu * up: a gate block and
-//     its up block), tmm4..5 the groups' rows, tmm6..7 the blocks; a unit is 2 blocks, met by
-//     every pair of row groups in turn (its panel from L2 after the first pair).
+//   prefill (M > 16): tmm0..3 accumulate 2 row groups by a pair of blocks, tmm4..5 the
+//     groups' rows, tmm6..7 the pair's blocks; a unit is 16 blocks (silu * up: 8 gate blocks
+//     and their up blocks), taken k chunk by k chunk (`Prefill`).
 #define JAXBATCH_AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 constexpr int kTileRows = 16;
 constexpr int kDecodeBlocks = 6;
-constexpr int kPrefillBlocks = 2;
+constexpr int kPrefillBlocks = 16;
+constexpr int64_t kChunkSteps = 16;   // tile steps of a prefill k chunk
 
 // Linux hands a process the tile registers' state only once asked (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA): false where it refuses (no AMX, an old kernel).
@@ -405,8 +407,8 @@ JAXBATCH_AMX inline void TileLoad(int t, const void* at, int64_t stride) {
 #undef JAXBATCH_OP
 }
 
-JAXBATCH_AMX inline void TileStore(int t, void* at) {
-#define JAXBATCH_OP(n) _tile_stored(n, at, 64)
+JAXBATCH_AMX inline void TileStore(int t, void* at, int64_t stride = 64) {
+#define JAXBATCH_OP(n) _tile_stored(n, at, stride)
   JAXBATCH_TILE_CASES(JAXBATCH_OP)
 #undef JAXBATCH_OP
 }
@@ -430,9 +432,10 @@ JAXBATCH_AMX inline void TileDot(int c, int a, int b) {
 // One C tile's rows [0, rows) of row group r0, block `block` (or, for silu * up, a gate C
 // tile and its up C tile), through the AVX512 tile's epilogue.
 template <typename T>
-void StoreTile(const Problem<T>& p, const void* c, int64_t r0, int64_t rows, int64_t block) {
+void StoreTile(const Problem<T>& p, const void* c, int64_t ldc, int64_t r0, int64_t rows,
+               int64_t block) {
   for (int64_t i = 0; i < rows; ++i) {
-    const char* line = static_cast<const char*>(c) + i * 64;
+    const char* line = static_cast<const char*>(c) + i * ldc;
     typename Step<T>::Acc acc;
     std::memcpy(&acc, line, 64);
     const __m512 y = ToFloat(p, acc, r0 + i, block);
@@ -446,12 +449,12 @@ void StoreTile(const Problem<T>& p, const void* c, int64_t r0, int64_t rows, int
 }
 
 template <typename T>
-void StoreSiluMul(const Problem<T>& p, const void* gate, const void* up, int64_t r0,
-                  int64_t rows, int64_t block) {
+void StoreSiluMul(const Problem<T>& p, const void* gate, const void* up, int64_t ldc,
+                  int64_t r0, int64_t rows, int64_t block) {
   for (int64_t i = 0; i < rows; ++i) {
     typename Step<T>::Acc g, u;
-    std::memcpy(&g, static_cast<const char*>(gate) + i * 64, 64);
-    std::memcpy(&u, static_cast<const char*>(up) + i * 64, 64);
+    std::memcpy(&g, static_cast<const char*>(gate) + i * ldc, 64);
+    std::memcpy(&u, static_cast<const char*>(up) + i * ldc, 64);
     SiluMulStore(ToFloat(p, g, r0 + i, block), ToFloat(p, u, r0 + i, block + p.jump),
                  p.y_bf16 + (r0 + i) * p.jump * 16 + block * 16);
   }
@@ -512,46 +515,73 @@ struct AmxJob : jaxbatch_pool::JobCounters {
     const int64_t half = nb / 2;
     for (int j = 0; j < (p.silu_mul ? half : nb); ++j) {
       if (p.silu_mul)
-        StoreSiluMul(p, c[j], c[j + half], 0, rows, blocks[j]);
+        StoreSiluMul(p, c[j], c[j + half], 64, 0, rows, blocks[j]);
       else
-        StoreTile(p, c[j], 0, rows, blocks[j]);
+        StoreTile(p, c[j], 64, 0, rows, blocks[j]);
     }
   }
 
-  JAXBATCH_AMX void Prefill(int64_t unit, TileConfig& config) {
+  // x's rows in passes of 2 row groups against the unit's blocks, a column pair at a time,
+  // k in chunks: a chunk of a pair's weights is read from memory once and met by every pass
+  // from L1, a chunk of x by every pair from L2; the sums wait in `acc` (the C tiles go out
+  // and come back exactly, so each sum is still taken in k order from zero).
+  JAXBATCH_AMX void Prefill(int64_t unit, TileConfig& config, std::vector<char>& acc_buffer) {
     int64_t blocks[kPrefillBlocks];
     const int64_t nb = Blocks(unit, blocks), stride = p.k * sizeof(T);
-    for (int64_t r0 = 0; r0 < p.m; r0 += 2 * kTileRows) {
-      const int64_t rows0 = std::min<int64_t>(kTileRows, p.m - r0);
-      const int64_t rows1 = std::clamp<int64_t>(p.m - r0 - kTileRows, 0, kTileRows);
-      TileConfig want;
-      for (int t = 0; t < 8; ++t) {
-        want.colsb[t] = 64;
-        // C tiles 0, 1: group 0; 2, 3: group 1; A 4, 5; B 6, 7
-        want.rows[t] = t >= 6 ? kTileRows : (t == 4 || t < 2) ? rows0 : rows1;
-      }
-      if (rows1 == 0)   // group 1's tiles unused: a tile in use has rows, an unused none
-        for (int t : {2, 3, 5}) want.rows[t] = 0, want.colsb[t] = 0;
-      Configure(config, want);
-      for (int g = 0; g < (rows1 ? 2 : 1); ++g)
-        for (int j = 0; j < nb; ++j) TileZero(2 * g + j);
-      for (int64_t s = 0, steps = tile_steps(); s < steps; ++s) {
-        for (int j = 0; j < nb; ++j) TileLoad(6 + j, block_at(blocks[j], s), 64);
-        TileLoad(4, rows_at(r0, s), stride);
-        for (int j = 0; j < nb; ++j) TileDot<T>(j, 4, 6 + j);
-        if (rows1) {
-          TileLoad(5, rows_at(r0 + kTileRows, s), stride);
-          for (int j = 0; j < nb; ++j) TileDot<T>(2 + j, 5, 6 + j);
+    const int64_t ldc = kPrefillBlocks * 64;                     // bytes of an acc row
+    acc_buffer.resize(p.m * ldc + 64);
+    char* acc = acc_buffer.data() + (64 - reinterpret_cast<uintptr_t>(acc_buffer.data()) % 64) % 64;
+    const int64_t steps = tile_steps();
+    for (int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
+      const int64_t k1 = std::min(steps, k0 + kChunkSteps);
+      for (int64_t pair = 0; pair < nb; pair += 2) {
+        const bool two = pair + 1 < nb;
+        for (int64_t r0 = 0; r0 < p.m; r0 += 2 * kTileRows) {
+          const int64_t rows0 = std::min<int64_t>(kTileRows, p.m - r0);
+          const int64_t rows1 = std::clamp<int64_t>(p.m - r0 - kTileRows, 0, kTileRows);
+          TileConfig want;
+          // C tiles 0, 1: group 0 by the pair's blocks; 2, 3: group 1; A 4, 5; B 6, 7
+          const int64_t tile_rows[8] = {rows0, two ? rows0 : 0, rows1, two ? rows1 : 0,
+                                        rows0, rows1, kTileRows, two ? kTileRows : 0};
+          for (int t = 0; t < 8; ++t) {
+            want.rows[t] = tile_rows[t];
+            want.colsb[t] = tile_rows[t] ? 64 : 0;
+          }
+          Configure(config, want);
+          for (int t = 0; t < 4; ++t) {
+            if (!tile_rows[t]) continue;
+            if (k0 == 0)
+              TileZero(t);
+            else
+              TileLoad(t, acc + (r0 + (t / 2) * kTileRows) * ldc + (pair + t % 2) * 64, ldc);
+          }
+          for (int64_t s = k0; s < k1; ++s) {
+            TileLoad(6, block_at(blocks[pair], s), 64);
+            if (two) TileLoad(7, block_at(blocks[pair + 1], s), 64);
+            TileLoad(4, rows_at(r0, s), stride);
+            TileDot<T>(0, 4, 6);
+            if (two) TileDot<T>(1, 4, 7);
+            if (rows1) {
+              TileLoad(5, rows_at(r0 + kTileRows, s), stride);
+              TileDot<T>(2, 5, 6);
+              if (two) TileDot<T>(3, 5, 7);
+            }
+          }
+          for (int t = 0; t < 4; ++t)
+            if (tile_rows[t])
+              TileStore(t, acc + (r0 + (t / 2) * kTileRows) * ldc + (pair + t % 2) * 64, ldc);
         }
       }
-      alignas(64) char c[4][kTileRows * 64];
-      for (int g = 0; g < (rows1 ? 2 : 1); ++g) {
-        const int64_t rg = g ? rows1 : rows0, at = r0 + g * kTileRows;
-        for (int j = 0; j < nb; ++j) TileStore(2 * g + j, c[2 * g + j]);
+    }
+    const int64_t half = nb / 2;
+    for (int64_t r0 = 0; r0 < p.m; r0 += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, p.m - r0);
+      const char* c = acc + r0 * ldc;
+      for (int j = 0; j < (p.silu_mul ? half : nb); ++j) {
         if (p.silu_mul)
-          StoreSiluMul(p, c[2 * g], c[2 * g + 1], at, rg, blocks[0]);
+          StoreSiluMul(p, c + j * 64, c + (j + half) * 64, ldc, r0, rows, blocks[j]);
         else
-          for (int j = 0; j < nb; ++j) StoreTile(p, c[2 * g + j], at, rg, blocks[j]);
+          StoreTile(p, c + j * 64, ldc, r0, rows, blocks[j]);
       }
     }
   }
@@ -559,11 +589,12 @@ struct AmxJob : jaxbatch_pool::JobCounters {
   JAXBATCH_AMX void Work() {
     TileConfig config;
     config.palette = 0;   // none loaded yet on this thread
+    std::vector<char> acc;
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
       if (decode)
         Decode(u, config);
       else
-        Prefill(u, config);
+        Prefill(u, config, acc);
       UnitDone();
     }
     _tile_release();

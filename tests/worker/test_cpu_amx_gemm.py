@@ -29,9 +29,10 @@ def _amx(fn, **kw):
 
 
 # (m, k, n): decode calls (m <= 16) of 1..6 blocks in the last unit, prefill calls of one or
-# two row groups in the last pass, and a k that is no whole tile step (the AVX512 path runs)
+# two row groups in the last pass, of one k chunk or several and units of 1..16 blocks, and a k
+# that is no whole tile step (the AVX512 path runs)
 SHAPES = [(1, 32, 16), (5, 576, 960), (16, 96, 112), (17, 64, 32), (40, 576, 80),
-          (64, 128, 48), (3, 48, 32)]
+          (64, 128, 48), (3, 48, 32), (40, 1088, 272)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -44,7 +45,7 @@ def test_bf16_matches_the_reference_within_float32_rounding(m, k, n):
     assert np.all(np.abs(out - ref) <= 4 * k * np.finfo(np.float32).eps * magnitude)
 
 
-@pytest.mark.parametrize("m,k,n", [(5, 576, 960), (40, 576, 96)])
+@pytest.mark.parametrize("m,k,n", [(5, 576, 960), (40, 576, 96), (33, 1088, 576)])
 def test_bf16_out_and_silu_mul_are_the_float32_result_rounded_and_activated(m, k, n):
     from jaxbatch.model.linear import activation
     x, w = _case(m + n, m, k, n)
@@ -85,7 +86,8 @@ def test_padding_rows_are_zero_whatever_they_hold(m, rows):
 
 @pytest.mark.parametrize("m,k,n,rows", [(1, 64, 32, None), (5, 576, 960, None),
                                         (16, 192, 96, 11), (40, 128, 64, 33),
-                                        (64, 576, 160, None), (3, 96, 48, None)])
+                                        (64, 576, 160, None), (3, 96, 48, None),
+                                        (40, 2176, 576, 37)])
 def test_int8_equals_the_vnni_kernel_bit_for_bit(m, k, n, rows):
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(jnp.bfloat16))
