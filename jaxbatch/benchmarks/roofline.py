@@ -117,17 +117,16 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
-def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", quantization=None):
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", **options):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
     length inside (ctx/2, ctx], every prefill in the first step; no host/device overlap, so a
-    step is timed whole."""
+    step is timed whole. `options`: more engine options (quantization, cpu_gemm)."""
     from jaxbatch import SamplingParams
     from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
                        num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
                        max_num_batched_tokens=slots * ctx + slots, warmup=False,
-                       attention_backend=backend, async_scheduling=False,
-                       quantization=quantization)
+                       attention_backend=backend, async_scheduling=False, **options)
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
     for i in range(slots):
@@ -143,11 +142,10 @@ ROUND_STEPS = 3 + OVERLAPPED_STEPS
 
 
 def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak: float,
-                read_bandwidth: float, quantization=None) -> dict:
+                read_bandwidth: float, **options) -> dict:
     """`steps` rounds, each one step timed without overlap and OVERLAPPED_STEPS with it, in
     one engine: interleaved, so a slow moment of the machine hits both alike."""
-    engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0,
-                                  quantization=quantization)
+    engine = steady_decode_engine(loaded, rows, ctx, ROUND_STEPS * steps, seed=0, **options)
     engine.step()                                    # every prefill
     engine.step()                                    # first decode: compiles it
     times, periods, kv = [], [], []
@@ -197,12 +195,12 @@ def timed_steps(engine, rows: int, steps: int) -> float:
     return seconds
 
 
-def prefill_chunk(loaded, tokens: int, peak: float, quantization=None) -> dict:
+def prefill_chunk(loaded, tokens: int, peak: float, **options) -> dict:
     from jaxbatch import SamplingParams
     from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
                        prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
-                       enable_prefix_caching=False, quantization=quantization)
+                       enable_prefix_caching=False, **options)
     rng, times = np.random.default_rng(0), []
     for i in range(4):
         engine.add_request(f"p{i}", rng.integers(3, engine.model_config.vocab_size,
@@ -244,6 +242,8 @@ class Roofline(Benchmark):
         add_flags(ap, context=(256, "a power of two"), prefill_tokens=256,
                   steps=(20, "timed rounds per row count"))
         ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
+        ap.add_argument("--cpu-gemm", default="auto", choices=("auto", "amx", "packed", "xla"),
+                        help="the engine's cpu_gemm: which kernel runs the matmuls")
         add_model_arguments(ap)
 
     def check(self, args):
@@ -264,12 +264,14 @@ class Roofline(Benchmark):
         peak = gemm_peak(dtype, quantization=args.quantization)
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s,"
               f" {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
+        options = {"quantization": args.quantization, "cpu_gemm": args.cpu_gemm}
         return {"model": loaded.source, "weights": args.quantization or str(dtype),
+                "cpu_gemm": args.cpu_gemm,
                 "copy_bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": reads,
                 "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype),
                 "decode": [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak,
-                                       reads, args.quantization) for rows in args.rows],
-                "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, args.quantization)}
+                                       reads, **options) for rows in args.rows],
+                "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, **options)}
 
     def markdown(self, report) -> str:
         def rows(columns, entries):
@@ -279,7 +281,7 @@ class Roofline(Benchmark):
             f"copy bandwidth {report['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; read bandwidth "
             f"{report['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {report['gemm_dtype']} GEMM "
             f"peak {report['gemm_peak_flop_s'] / 1e12:.2f} TFLOP/s; {report['model']}, weights "
-            f"{report['weights']}",
+            f"{report['weights']}, cpu_gemm {report.get('cpu_gemm', 'auto')}",
             rows(DECODE_COLUMNS, report["decode"]), rows(PREFILL_COLUMNS, [report["prefill"]])])
 
 

@@ -274,20 +274,33 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
     monkeypatch.setattr(roofline, "read_bandwidth", lambda: 1e10)
     monkeypatch.setattr(roofline, "gemm_peak",
                         lambda dtype, quantization=None: seen.append(str(dtype)) or 1e11)
-    monkeypatch.setattr(roofline, "decode_rows", lambda *a: {
+    monkeypatch.setattr(roofline, "decode_rows", lambda *a, **options: {
         "rows": 4, "context": 64, "step_ms": 1.0, "weight_mb": 1.0, "kv_mb": 1.0,
         "bandwidth_floor_ms": 1.0, "compute_floor_ms": 1.0, "bound": "compute",
         "floor_ms": 1.0, "step_over_floor": 1.0, "overlapped_step_ms": 1.0,
         "overlapped_over_floor": 1.0, "sequential_floor_ms": 1.0,
         "overlapped_over_sequential": 1.0, "overlapped_over_bandwidth_floor": 1.0,
         "reachable_over_bandwidth_floor": 1.0})
-    monkeypatch.setattr(roofline, "prefill_chunk", lambda *a: {
+    monkeypatch.setattr(roofline, "prefill_chunk", lambda *a, **options: {
         "tokens": 32, "step_ms": 1.0, "gflop": 1.0, "floor_ms": 1.0, "step_over_floor": 1.0})
     for dtype in ("float32", "bfloat16"):
         roofline.main(["--random-model", "tiny", "--dtype", dtype, "--rows", "4",
                        "--price-per-hour", "1", "--out", str(tmp_path)])
         report = json.loads((tmp_path / "bench_roofline.json").read_text())
         assert seen[-1] == report["gemm_dtype"] == dtype
+
+
+def test_roofline_hands_the_engines_the_kernel_asked_for(monkeypatch, tmp_path):
+    from jaxbatch.benchmarks import roofline
+    engines = []
+    real = roofline.steady_decode_engine
+    monkeypatch.setattr(roofline, "steady_decode_engine",
+                        lambda *a, **kw: engines.append(real(*a, **kw)) or engines[-1])
+    roofline.main(["--random-model", "tiny", "--rows", "4", "--context", "64", "--steps", "1",
+                   "--prefill-tokens", "32", "--cpu-gemm", "xla", "--price-per-hour", "1",
+                   "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "bench_roofline.json").read_text())["cpu_gemm"] == "xla"
+    assert engines[0].stats()["kernels"]["matmul"] == "XLA dots (cpu_gemm='xla')"
 
 
 def test_roofline_read_bandwidth_reads_every_byte_once(monkeypatch):
