@@ -54,6 +54,8 @@ JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
                 "tests/worker/test_cpu_add_rms_norm.py::"
                 "test_the_seam_takes_the_kernel_on_cpu_and_jnp_elsewhere",
                 "tests/worker/test_cpu_first_argmax.py",
+                "tests/worker/test_cpu_w8a8_gemm.py::"
+                "test_pallas_kernel_in_interpret_mode_equals_the_reference",
                 "tests/worker/test_cpu_packed_gemm.py::"
                 "test_rows_past_the_count_are_zeros_and_the_others_as_computed_whole",
                 # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain

@@ -117,6 +117,8 @@ class PallasW8A8(W8A8):
     """The same on a GPU: the Pallas int8 MMA kernel."""
 
     def _product(self, x2, out_dtype):
+        if w8a8.why_not(*self.values.shape[-2:]) is not None:   # the reference's, exactly
+            return super()._product(x2, out_dtype)
         return w8a8.w8a8_matmul(x2, self.values, self.scale, out_dtype=jnp.dtype(out_dtype))
 
 

@@ -112,8 +112,9 @@ def test_quantize_rows_is_per_token_and_within_half_a_step():
     assert (err <= np.asarray(scale)[:, None] / 2 * (1 + 1e-5)).all()
 
 
-def test_pallas_kernel_in_interpret_mode_equals_the_reference():
-    x, wq, ws = _case(11, 20, 256, 256, jnp.float32)
+@pytest.mark.parametrize("m,k,n", [(20, 256, 256), (5, 576, 384)])
+def test_pallas_kernel_in_interpret_mode_equals_the_reference(m, k, n):
+    x, wq, ws = _case(11, m, k, n, jnp.float32)
     out = w8a8_matmul(x, jnp.asarray(wq), jnp.asarray(ws), interpret=True)
     ref = _reference(x, jnp.asarray(wq), jnp.asarray(ws))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

@@ -230,3 +230,12 @@ def test_int8_xla_attention_lowers_for_cuda():
                        q, k, v, p, t, k_scales=ks, v_scales=vs),
                    sds((tokens, heads, head_dim), dtype), pages, pages, sds((tokens,), jnp.int32),
                    sds((tokens // PREFILL_TILE, n_pages), jnp.int32), scales, scales)
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 2048, 8192), (64, 8192, 2048), (5, 576, 1536)])
+def test_w8a8_lowers_for_cuda(m, k, n):
+    """quantization="w8a8" on a GPU: the Pallas int8 kernel goes to Triton, K in steps."""
+    from pallas_kernels.w8a8 import w8a8_matmul
+    _assert_triton(lower_for_cuda(lambda x, w, s: w8a8_matmul(x, w, s),
+                                  sds((m, k), jnp.bfloat16), sds((k, n), jnp.int8),
+                                  sds((n,), jnp.float32)))
