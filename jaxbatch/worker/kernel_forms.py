@@ -26,6 +26,7 @@ class Packed(Linear):
     met by AVX512 (`vdpbf16ps`, float32 FMAs)."""
     packed: object
     amx = False
+    silu_epilogue_min_rows = SILU_EPILOGUE_MIN_ROWS
 
     def apply(self, x, rows=None, out_dtype=None):
         return packed_gemm.matmul(x, self.packed, out_dtype=out_dtype or x.dtype, rows=rows,
@@ -33,7 +34,7 @@ class Packed(Linear):
 
     def fuses(self, epilogue, x) -> bool:
         return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
-                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
+                and x.shape[0] >= self.silu_epilogue_min_rows
                 and packed_gemm.silu_mul_why_not(self.packed) is None)
 
     def apply_epilogue(self, x, epilogue, rows=None):
@@ -129,6 +130,7 @@ class PackedW8A8(Linear):
     scale: object
     comp: object
     amx = False
+    silu_epilogue_min_rows = SILU_EPILOGUE_MIN_ROWS
 
     def _packed(self) -> w8a8_gemm.PackedInt8:
         return w8a8_gemm.PackedInt8(self.values, self.scale, self.comp)
@@ -139,7 +141,7 @@ class PackedW8A8(Linear):
 
     def fuses(self, epilogue, x) -> bool:
         return (epilogue is SILU_MUL and x.dtype == jnp.bfloat16
-                and x.shape[0] >= SILU_EPILOGUE_MIN_ROWS
+                and x.shape[0] >= self.silu_epilogue_min_rows
                 and w8a8_gemm.silu_mul_why_not(self._packed()) is None)
 
     def apply_epilogue(self, x, epilogue, rows=None):
