@@ -116,10 +116,11 @@ def _call(handler, x, packed: PackedInt8, out_cols: int, out_dtype, rows, amx):
 
 def matmul(x, packed: PackedInt8, out_dtype=None, rows=None, amx=False):
     """x [.., K] bf16 or float32 -> [.., N]: bf16 x gives bf16 (rounded in the kernel, as the
-    reference's convert rounds), float32 x float32; then `out_dtype`."""
+    reference's convert rounds), float32 x or out_dtype float32 (logits) float32 (the same
+    quantized rows: a bf16 value is exact in float32); then `out_dtype`."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     _, n = in_out_shape(packed.values)
-    if x.dtype == jnp.bfloat16:
+    if x.dtype == jnp.bfloat16 and out_dtype != jnp.float32:
         return _call(_BF16, x, packed, n, jnp.bfloat16, rows, amx).astype(out_dtype)
     y = _call(_F32, x.astype(jnp.float32), packed, n, jnp.float32, rows, amx)
     return y.astype(out_dtype)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import packed_gemm, w8a8_gemm
+from pallas_kernels.int8 import quantize_int8
 from jaxbatch.model.layers import FUSED
 from jaxbatch.model.linear import Bf16Bits, Dense, Int8, Linear, OutIn, PerLayer
 from jaxbatch.worker.kernel_forms import (W8A8, W8A8_FORMS, W8A8_KERNELS, AmxPacked,
@@ -77,12 +78,31 @@ def prepare(params: dict, form: WeightForm) -> dict:
     out = {**{k: v for k, v in plain.items() if k not in ("lm_head", "tied_head")},
            "layers": typed}
     if "lm_head" in plain:
-        head = plain["lm_head"]
-        out["lm_head"] = (packed_form.of(head, head) if form.packed and _covered(head)
-                          else Dense(head))
-    elif form.packed and _covered(np.asarray(plain["embed"]).T):
-        out["tied_head"] = packed_form.of(np.asarray(plain["embed"]).T, plain["embed"])  # [d, V]
+        out["lm_head"] = _lm_head(plain["lm_head"], form, packed_form)
+    elif _head_w8a8_form(form) is not None or (
+            form.packed and _covered(np.asarray(plain["embed"]).T)):
+        tied = np.asarray(plain["embed"]).T                                  # [d, V]
+        out["tied_head"] = _lm_head(tied if isinstance(plain["embed"], np.ndarray)
+                                    else jnp.asarray(tied), form, packed_form)
     return out
+
+
+def _head_w8a8_form(form: WeightForm):
+    """The W8A8 form an LM head takes under w8a8 (the head is the decode step's largest
+    matrix): the layers'; else None."""
+    return W8A8_KERNELS[form.w8a8_kernel] if form.w8a8_kernel else None
+
+
+def _lm_head(head, form: WeightForm, packed_form) -> Linear:
+    """An LM head [d, V] in its kernel's form: int8 per vocabulary entry under w8a8 (the jnp
+    reference where the CPU kernel does not cover it), packed where the GEMM covers it, else
+    dense."""
+    w8a8_form = _head_w8a8_form(form)
+    if w8a8_form is not None:
+        if issubclass(w8a8_form, PackedW8A8) and w8a8_gemm.why_not(*head.shape) is not None:
+            w8a8_form = W8A8
+        return w8a8_form.of(*quantize_int8(head, axis=-2))
+    return packed_form.of(head, head) if form.packed and _covered(head) else Dense(head)
 
 
 def _in_form(params: dict, form: WeightForm) -> bool:
@@ -99,8 +119,10 @@ def _in_form(params: dict, form: WeightForm) -> bool:
     amx = any(isinstance(w, AmxPacked) for w in forms)
     w8a8_forms = {type(w) for w in forms if isinstance(w, W8A8_FORMS)}
     w8a8_form = {W8A8_KERNELS[form.w8a8_kernel]} if form.w8a8_kernel else set()
-    return (per_layer == form.per_layer and fused == form.fused and packed == form.packed
-            and amx == (form.packed and form.amx) and w8a8_forms == w8a8_form)
+    # under w8a8 the head is int8 too, and nothing may be left to pack
+    packed_ok = packed == form.packed or (not packed and _head_w8a8_form(form) is not None)
+    return (per_layer == form.per_layer and fused == form.fused and packed_ok
+            and amx == (packed and form.amx) and w8a8_forms == w8a8_form)
 
 
 def is_linear_leaf(value) -> bool:
@@ -253,8 +275,8 @@ def to_plain(params: dict) -> dict:
             layers[name] = value
     out = {k: v for k, v in params.items() if k != "tied_head"}
     out["layers"] = _unfuse(layers)
-    if isinstance(out.get("lm_head"), Linear):
-        out["lm_head"] = out["lm_head"].to_float()
+    if isinstance(out.get("lm_head"), Linear):      # a W8A8 head's dequantized, in embed's dtype
+        out["lm_head"] = out["lm_head"].to_float().astype(out["embed"].dtype)
     return out
 
 

@@ -68,6 +68,15 @@ def test_the_seam_runs_the_kernel_asked_for_and_says_so(kernel):
     assert engine.stats()["quantization"] == "w8a8"
 
 
+def test_the_lm_head_takes_the_layers_w8a8_form_and_logits_stay_float32(kernel_engine):
+    from jaxbatch.worker.kernel_forms import W8A8_KERNELS
+    head = kernel_engine.runner.params["lm_head"]
+    assert type(head) is W8A8_KERNELS[kernel_engine.runner.kernels.weight_form.w8a8_kernel]
+    out = run_all(kernel_engine, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=2,
+                                                              logprobs=3, ignore_eos=True)])
+    assert len(out[0].outputs[0].logprobs[0]) >= 3
+
+
 def test_solo_equals_batched(kernel_engine):
     batched = _tokens(kernel_engine)
     for i in (1, 3):
