@@ -710,14 +710,32 @@ void QuantizeRow(const XT* x, int64_t k, uint8_t* q, float* scale) {
   }
 }
 
-// A W8A8 call's job: the quantized rows live as long as the call.
-template <typename J>
+// A W8A8 call's job: its rows, quantized by every thread of the call (a few rows per claim)
+// before any unit runs, since every unit reads every row; they live as long as the call.
+template <typename J, typename XT>
 struct WithQuantizedRows : J {
+  static constexpr int64_t kRowsPerClaim = 4;
+  const XT* x = nullptr;
   std::unique_ptr<uint8_t[]> xq;
   std::unique_ptr<float[]> x_scale;
+  std::atomic<int64_t> next_row{0}, rows_done{0};
+
+  void Work() {
+    const int64_t m = this->p.m, k = this->p.k;
+    for (int64_t r0; (r0 = next_row.fetch_add(kRowsPerClaim, std::memory_order_relaxed)) < m;) {
+      const int64_t r1 = std::min(m, r0 + kRowsPerClaim);
+      for (int64_t r = r0; r < r1; ++r)
+        QuantizeRow(x + r * k, k, xq.get() + r * k, x_scale.get() + r);
+      rows_done.fetch_add(r1 - r0, std::memory_order_release);
+    }
+    while (rows_done.load(std::memory_order_acquire) < m) _mm_pause();   // others' last rows
+    J::Work();
+  }
 };
-using W8A8Job = WithQuantizedRows<Job<uint8_t>>;
-using AmxW8A8Job = WithQuantizedRows<AmxJob<uint8_t>>;
+template <typename XT>
+using W8A8Job = WithQuantizedRows<Job<uint8_t>, XT>;
+template <typename XT>
+using AmxW8A8Job = WithQuantizedRows<AmxJob<uint8_t>, XT>;
 
 // x [M, K] bf16 or float32; w [N / 16, K / 4, 64] int8, element [b, p, 4 j + t] =
 // W[4 p + t, 16 b + j]; w_scale [N] float32; comp [N] int32 = 128 x sum_k W[k, n]; rows [1]
@@ -739,7 +757,7 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
         ", w_scale ", jaxbatch_checks::Shape(w_scale.dimensions()), ", comp ",
         jaxbatch_checks::Shape(comp.dimensions()), ", rows ",
         jaxbatch_checks::Shape(rows.dimensions()), ", y ", jaxbatch_checks::Shape(yd)));
-  auto job = std::make_shared<W8A8Job>();
+  auto job = std::make_shared<W8A8Job<XT>>();
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), k = xd[1];
   float* y32 = nullptr;
   uint16_t* y16 = nullptr;
@@ -755,11 +773,9 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
       std::memset(y32 + m * yd[1], 0, padding * sizeof(float));
   }
   if (m == 0 || wd[0] == 0) return jaxbatch_pool::Ready();
+  job->x = reinterpret_cast<const XT*>(x.typed_data());
   job->xq.reset(new uint8_t[m * k]);
   job->x_scale.reset(new float[m]);
-  const XT* xs = reinterpret_cast<const XT*>(x.typed_data());
-  for (int64_t r = 0; r < m; ++r)
-    QuantizeRow(xs + r * k, k, job->xq.get() + r * k, job->x_scale.get() + r);
   job->p = Problem<uint8_t>{job->xq.get(), reinterpret_cast<const uint8_t*>(w.typed_data()),
                             y32, y16, m, k, wd[0]};
   job->p.x_scale = job->x_scale.get();
@@ -777,7 +793,8 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
     if (!AmxPermitted())
       return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
           "w8a8_gemm", "the AMX variant called where Linux grants no tile registers"));
-    if (auto amx = AmxJobFor<AmxW8A8Job>(job->p)) {
+    if (auto amx = AmxJobFor<AmxW8A8Job<XT>>(job->p)) {
+      amx->x = job->x;
       amx->xq = std::move(job->xq);
       amx->x_scale = std::move(job->x_scale);
       return jaxbatch_pool::Run(pool, amx, jaxbatch_pool::Helpers(pool, amx->units), label);
