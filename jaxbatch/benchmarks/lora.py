@@ -13,8 +13,9 @@ import tempfile
 
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, full_decode_step_ms
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 
 def write_random_adapter(folder: str, cfg, rank: int, seed: int) -> None:

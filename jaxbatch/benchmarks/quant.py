@@ -13,8 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms, tok_s_cells
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, full_decode_step_ms, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 
 BLOCK_SIZE = 16

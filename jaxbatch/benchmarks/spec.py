@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, tok_s_cells
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, chat_ids,
                                            encode_prompts, lognormal_lengths, load_prompts)

@@ -8,7 +8,7 @@ filled while the forward ran. JSON requests stop where their schema ends: compar
 from __future__ import annotations
 
 from jaxbatch.benchmarks import harness, workloads
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive
+from jaxbatch.benchmarks.ab import ABBenchmark, compare
 from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
 
@@ -25,7 +25,7 @@ def run(engine, requests, fraction) -> dict:
     so = StructuredOutputsParams(json=SCHEMA)
     n_json, n = round(fraction * len(requests)), len(requests)
     # constrained requests spread evenly, so both kinds share steps
-    out = drive(engine, [(r.prompt_ids, SamplingParams(
+    out = harness.drive(engine, [(r.prompt_ids, SamplingParams(
         temperature=0.0, max_tokens=max(r.output_len, 64), structured_outputs=so)
         if (k * n_json) // n != ((k + 1) * n_json) // n else SamplingParams(
         temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
