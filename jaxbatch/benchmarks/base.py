@@ -52,10 +52,10 @@ class Benchmark:
 
     def parser(self) -> argparse.ArgumentParser:
         doc = sys.modules[type(self).__module__].__doc__ or ""
+        description, _, epilog = doc.partition("\n\n")
         ap = argparse.ArgumentParser(prog=self.prog or f"jaxbatch bench {self.name}",
-                                     description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=doc.split("\n\n", 1)[-1])
+                                     description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         self.add_arguments(ap)
         ap.add_argument("--out", default=self.out)
         add_price_argument(ap)

@@ -2,10 +2,7 @@
 shared_system (Poisson arrivals at --prefix-rate sharing one ~850-token system prompt),
 multi_turn (every turn resends the conversation) and no_sharing (the bundled prompts once, at
 t=0: hashing is all the cache adds). Each run starts from an empty cache; on and off take turns
---repeats times, medians reported; greedy outputs must be equal (reported).
-
-    jaxbatch bench prefix [--repeats 2] [--out bench_out] [--price-per-hour USD]
-"""
+--repeats times, medians reported; greedy outputs must be equal (reported)."""
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,7 @@
 """Structured outputs' cost in the continuous batch: `bench throughput`'s offline workload with
 0 %, 50 % and 100 % of the requests constrained to a JSON schema, on one warmed engine, in
 turns --rounds times: output tokens/s, steps, the grammar's host time per masked step, masks
-filled while the forward ran. JSON requests stop where their schema ends: compare tokens/s.
-
-    jaxbatch bench structured --fractions 0 0.5 1 --num-requests 64 --max-num-seqs 32
-"""
+filled while the forward ran. JSON requests stop where their schema ends: compare tokens/s."""
 from __future__ import annotations
 
 from jaxbatch.benchmarks import harness, workloads
