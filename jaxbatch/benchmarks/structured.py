@@ -19,14 +19,17 @@ SCHEMA = {"type": "object", "properties": {
 
 def run(engine, requests, fraction) -> dict:
     from jaxbatch import SamplingParams, StructuredOutputsParams
-    so = StructuredOutputsParams(json=SCHEMA)
-    n_json, n = round(fraction * len(requests)), len(requests)
-    # constrained requests spread evenly, so both kinds share steps
-    out = harness.drive(engine, [(r.prompt_ids, SamplingParams(
-        temperature=0.0, max_tokens=max(r.output_len, 64), structured_outputs=so)
-        if (k * n_json) // n != ((k + 1) * n_json) // n else SamplingParams(
-        temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-        for k, r in enumerate(requests)])
+    n, n_json = len(requests), round(fraction * len(requests))
+    schema = StructuredOutputsParams(json=SCHEMA)
+    batch = []
+    for k, r in enumerate(requests):
+        if (k * n_json) // n != ((k + 1) * n_json) // n:    # spread evenly: both kinds share steps
+            params = SamplingParams(temperature=0.0, max_tokens=max(r.output_len, 64),
+                                    structured_outputs=schema)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        batch.append((r.prompt_ids, params))
+    out = harness.drive(engine, batch)
     d = out["stats"]
     fills = d["structured_num_mask_fills"]
     return {"json_fraction": fraction, "json_requests": n_json,
