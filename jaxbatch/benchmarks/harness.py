@@ -139,9 +139,9 @@ def drive(engine, requests, concurrency: int | None = None, arrivals=None,
             i = pending.popleft()
             prompt, params, *options = requests[i]
             options = dict(options[0]) if options else {}
+            sent[i] = time.monotonic() if arrivals is None else start + offsets[i]
             if arrivals is not None:
-                options["arrival_time"] = start + offsets[i]
-            sent[i] = options.get("arrival_time", time.monotonic())
+                options["arrival_time"] = sent[i]
             engine.add_request(f"run{run}-{i}", prompt, params, **options)
         if not engine.has_unfinished_requests():        # idle until the next arrival
             time.sleep(max(0.0, start + offsets[pending[0]] - time.monotonic()))

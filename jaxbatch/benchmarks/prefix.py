@@ -34,7 +34,8 @@ def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> l
 
 def arrivals_run(engine, requests) -> dict:
     """The requests at their arrival times (harness.py); TTFT counts from the arrival."""
-    s = summarize(run := run_jaxbatch(engine, requests, "prefix", progress=False))
+    run = run_jaxbatch(engine, requests, "prefix", progress=False)
+    s = summarize(run)
     return {"output_tokens_per_s": s["output_tokens_per_s"], "duration_s": s["duration_s"],
             "ttft_mean_ms": s["ttft"]["mean_ms"], "ttft_median_ms": s["ttft"]["median_ms"],
             "compilations": run.info["compilations_during_timed_run"]}

@@ -37,17 +37,12 @@ def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
             first = first or engine
         else:
             runs[name] = peer_runs[name](requests, slots)
-    return {"requests": request_rows(requests), "max_model_len": model_len,
+    # The requests are in each run's traces (RunResult.to_json).
+    return {"max_model_len": model_len,
             "ideal": ideal_ratio([r.output_len for r in requests], slots),
             "summaries": {n: {**summarize(run), **step_stats(run, slots), **run.info}
                           for n, run in runs.items()},
             "runs": runs}
-
-
-def request_rows(requests, arrivals: bool = False) -> list[dict]:
-    return [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
-             "output_len": r.output_len, **({"arrival_s": r.arrival} if arrivals else {})}
-            for r in requests]
 
 
 def bench_online(args, loaded, requests) -> dict:
@@ -71,8 +66,7 @@ def bench_online(args, loaded, requests) -> dict:
                            "prefill_chunk_size": chunk, "max_num_batched_tokens": budget,
                            "short_ttft": stats_ms([t.token_times[0] - t.arrival for t in short]),
                            "max_step_ms": 1e3 * max(run.step_seconds)}
-    return {"requests": request_rows(requests, arrivals=True), "request_rate": args.request_rate,
-            "summaries": summaries, "runs": runs}
+    return {"request_rate": args.request_rate, "summaries": summaries, "runs": runs}
 
 
 def engine_table(summaries, price: dict) -> str:
