@@ -240,7 +240,8 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
             model = model or await served_model(control, base)
             offsets = arrival_offsets(workload, rate)
             sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-            samples, stop = [], asyncio.Event()
+            samples = []        # /health: (offset s, latency s, status or error)
+            stop = asyncio.Event()
             in_flight = peak_in_flight = 0
 
             async def one(req, offset):
@@ -259,9 +260,10 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
                         in_flight -= 1
 
             t0 = clock()
-            poller = (asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
-                                                      samples, clock))
-                      if health_interval else None)
+            poller = None
+            if health_interval:
+                poller = asyncio.create_task(poll_health(control, base, health_interval, stop,
+                                                         t0, samples, clock))
             results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
             duration = clock() - t0
             stop.set()
