@@ -66,15 +66,14 @@ class RunResult:
 
 def summarize(run: RunResult) -> dict:
     """vllm bench serve's figures. TPOT excludes the first token; ITL pools every gap."""
-    traces = run.traces
-    done = [t for t in traces if len(t.token_times) == t.output_len]
+    done = [t for t in run.traces if len(t.token_times) == t.output_len]
     if not done:
         raise RuntimeError(f"{run.engine}: no request completed")
     end = max(t.token_times[-1] for t in done)
     duration = end - run.start
     out_tokens, in_tokens = sum(len(t.token_times) for t in done), sum(t.prompt_len for t in done)
     return {
-        "completed": len(done), "requests": len(traces), "duration_s": duration,
+        "completed": len(done), "requests": len(run.traces), "duration_s": duration,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
         "request_throughput": len(done) / duration, "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (in_tokens + out_tokens) / duration,
