@@ -93,6 +93,7 @@ class ThroughputGPU(Throughput):
 
     def add_arguments(self, ap) -> None:
         super().add_arguments(ap)
+        ap.set_defaults(warmup=None, max_num_seqs=None, num_requests=None)  # resolve's, below
         ap.add_argument("--gpu-models", nargs="+", default=None,
                         help="shapes from gpu_e2e.MODEL_SHAPES (default 1B 8B)")
         ap.add_argument("--dry-run", action="store_true",

@@ -1,59 +1,18 @@
 """The feature A/Bs' base (`jaxbatch bench prefix | spec | structured | lora | quant`): variants
 of one engine option run the same cases in turns, round by round, each round's order rotated by
 one, so a slow moment of a shared machine hits every variant alike; each figure is the median
-over rounds, stated beside the first variant's (the baseline) as a ratio. `drive` is the
-measurement most share: requests run to the end on one engine."""
+over rounds, stated beside the first variant's (the baseline) as a ratio. The measurement most
+share is harness.drive: requests run to the end on one engine."""
 from __future__ import annotations
 
-import itertools
 import statistics
-import time
-from collections import deque
 
 from jaxbatch.benchmarks.base import Benchmark
-from jaxbatch.benchmarks.report import cost_cell, stats_ms
-
-_RUN_IDS = itertools.count()
-
-
-def drive(engine, requests, concurrency: int | None = None) -> dict:
-    """Runs `requests`, each (prompt ids, SamplingParams[, add_request keywords]), to the end,
-    with at most `concurrency` in flight (None: all at once): wall time, output tokens/s, TTFT
-    and TPOT, each computing step as (seconds, sequences, tokens), every request's tokens and
-    text, and how much each numeric engine stat moved."""
-    run, before, pending = next(_RUN_IDS), engine.stats(), deque(enumerate(requests))
-    sent, times, finals, steps = {}, {}, {}, []
-    start = time.monotonic()
-    while pending or engine.has_unfinished_requests():
-        while pending and (concurrency is None
-                           or engine.get_num_unfinished_requests() < concurrency):
-            i, (prompt, params, *kw) = pending.popleft()
-            sent[i], times[i] = time.monotonic(), []
-            engine.add_request(f"ab{run}-{i}", prompt, params, **(kw[0] if kw else {}))
-        logged, began = len(engine.step_log), time.monotonic()
-        outputs = engine.step()
-        now = time.monotonic()
-        for _, seqs, _, tokens in engine.step_log[logged:]:
-            steps.append((now - began, seqs, tokens))
-        for out in outputs:
-            i = int(out.request_id.rsplit("-", 1)[1])
-            times[i] += [now] * (len(out.outputs[0].token_ids) - len(times[i]))
-            if out.finished:
-                finals[i] = out.outputs[0]
-    duration, after = time.monotonic() - start, engine.stats()
-    tokens = [list(finals[i].token_ids) for i in range(len(requests))]
-    return {"duration_s": duration, "output_tokens": sum(map(len, tokens)),
-            "output_tokens_per_s": sum(map(len, tokens)) / duration,
-            "ttft": stats_ms([t[0] - sent[i] for i, t in times.items() if t]),
-            "tpot": stats_ms([(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]),
-            "steps": steps, "tokens": tokens, "texts": [finals[i].text for i in range(len(requests))],
-            "stats": {k: v - before[k] for k, v in after.items()
-                      if isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and isinstance(before.get(k), (int, float))}}
+from jaxbatch.benchmarks.report import cost_cell
 
 
 def full_decode_step_ms(steps, rows: int) -> float | None:
-    """Median step of `drive`'s steps in which all `rows` sequences decoded (one token each)."""
+    """Median of harness.drive's steps in which all `rows` sequences decoded (a token each)."""
     full = [s for s, seqs, tokens in steps if seqs == tokens == rows]
     return 1e3 * statistics.median(full) if full else None
 

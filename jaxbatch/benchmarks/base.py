@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from jaxbatch.benchmarks.machine import add_price_argument, machine_info, resolve_price
-from jaxbatch.benchmarks.report import price_line, to_json, write_report
+from jaxbatch.benchmarks.report import price_line, write_report
 
 
 def add_flags(ap, **defaults) -> None:
@@ -52,10 +52,10 @@ class Benchmark:
 
     def parser(self) -> argparse.ArgumentParser:
         doc = sys.modules[type(self).__module__].__doc__ or ""
+        description, _, epilog = doc.partition("\n\n")
         ap = argparse.ArgumentParser(prog=self.prog or f"jaxbatch bench {self.name}",
-                                     description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=doc.split("\n\n", 1)[-1])
+                                     description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         self.add_arguments(ap)
         ap.add_argument("--out", default=self.out)
         add_price_argument(ap)
@@ -77,7 +77,7 @@ class Benchmark:
         out.mkdir(parents=True, exist_ok=True)
         report["plots"] = self.plots(report, out)
         md = self.markdown(report) + "\n\n" + price_line(report["price"])
-        paths = write_report(out, self.report_name or f"bench_{self.name}", report, md, to_json)
+        paths = write_report(out, self.report_name or f"bench_{self.name}", report, md)
         print(f"\nwrote {', '.join(str(p) for p in paths + report['plots'])} in "
               f"{report['bench_seconds']:.0f} s\n\n{md}")
         return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import os
 import time
@@ -14,6 +15,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxbatch.benchmarks.report import stats_ms
+
+_RUN_IDS = itertools.count()
 
 
 def ideal_ratio(output_lens, slots) -> dict:
@@ -61,17 +64,16 @@ class RunResult:
                            for t in self.traces]}
 
 
-def summarize(run: RunResult, traces=None) -> dict:
+def summarize(run: RunResult) -> dict:
     """vllm bench serve's figures. TPOT excludes the first token; ITL pools every gap."""
-    traces = run.traces if traces is None else traces
-    done = [t for t in traces if len(t.token_times) == t.output_len]
+    done = [t for t in run.traces if len(t.token_times) == t.output_len]
     if not done:
         raise RuntimeError(f"{run.engine}: no request completed")
     end = max(t.token_times[-1] for t in done)
     duration = end - run.start
     out_tokens, in_tokens = sum(len(t.token_times) for t in done), sum(t.prompt_len for t in done)
     return {
-        "completed": len(done), "requests": len(traces), "duration_s": duration,
+        "completed": len(done), "requests": len(run.traces), "duration_s": duration,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
         "request_throughput": len(done) / duration, "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (in_tokens + out_tokens) / duration,
@@ -115,46 +117,79 @@ def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=N
                      warmup=False, **kw)
 
 
-def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
-    """Drives LLMEngine.step(), adding each request at its arrival time (arrival_time is set to
-    the scheduled arrival, so time spent queued counts in TTFT)."""
-    from jaxbatch import SamplingParams
-    before = engine.stats()["num_compilations"]
-    engine.reset_prefix_cache()      # a warm-up run of the same prompts must not serve this one
-    first_step = len(engine.step_log)
-    traces = {r.rid: Trace(r.rid, r.kind, len(r.prompt_ids), r.output_len, 0.0) for r in requests}
-    pending = deque(sorted(requests, key=lambda r: r.arrival))
-    bar = tqdm(total=len(requests), desc=label, disable=not progress, leave=False)
-    step_seconds, start = [], time.monotonic()
+def drive(engine, requests, concurrency: int | None = None, arrivals=None,
+          label: str | None = None) -> dict:
+    """Runs `requests`, each (prompt ids, SamplingParams[, add_request keywords]), to the end,
+    with at most `concurrency` in flight (None: no cap), each added at its offset in `arrivals`
+    (seconds after the start, passed on as its arrival_time, so time spent queued counts in
+    its TTFT; None: all at t=0, TTFT from the add); `label` names a progress bar. Returns the
+    wall time, output tokens/s, TTFT and TPOT, each computing step as (seconds, sequences,
+    tokens), the engine's step log from the start, every request's token times, tokens and
+    text, and how much each numeric engine stat moved."""
+    run, before, first_logged = next(_RUN_IDS), engine.stats(), len(engine.step_log)
+    offsets = [0.0] * len(requests) if arrivals is None else arrivals
+    pending = deque(sorted(range(len(requests)), key=lambda i: offsets[i]))
+    sent, times, finals, steps = {}, [[] for _ in requests], {}, []
+    bar = tqdm(total=len(requests), desc=label, disable=label is None, leave=False)
+    start = time.monotonic()
     while pending or engine.has_unfinished_requests():
-        now = time.monotonic()
-        while pending and start + pending[0].arrival <= now:
-            r = pending.popleft()
-            traces[r.rid].arrival = start + r.arrival
-            engine.add_request(r.rid, r.prompt_ids, SamplingParams(
-                temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
-                arrival_time=start + r.arrival)
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, start + pending[0].arrival - time.monotonic()))
+        while pending and start + offsets[pending[0]] <= time.monotonic() and (
+                concurrency is None or engine.get_num_unfinished_requests() < concurrency):
+            i = pending.popleft()
+            prompt, params, *options = requests[i]
+            options = dict(options[0]) if options else {}
+            sent[i] = time.monotonic() if arrivals is None else start + offsets[i]
+            if arrivals is not None:
+                options["arrival_time"] = sent[i]
+            engine.add_request(f"run{run}-{i}", prompt, params, **options)
+        if not engine.has_unfinished_requests():        # idle until the next arrival
+            time.sleep(max(0.0, start + offsets[pending[0]] - time.monotonic()))
             continue
-        logged, started = len(engine.step_log), time.monotonic()
+        logged, began = len(engine.step_log), time.monotonic()
         outputs = engine.step()
         now = time.monotonic()
-        if len(engine.step_log) > logged:          # a step that computed something
-            step_seconds.append(now - started)
+        for _, seqs, _, tokens in engine.step_log[logged:]:
+            steps.append((now - began, seqs, tokens))
         for out in outputs:
-            trace = traces[out.request_id]
-            trace.token_times += [now] * (len(out.outputs[0].token_ids) - len(trace.token_times))
-            bar.update(out.finished)
+            i = int(out.request_id.rsplit("-", 1)[1])
+            times[i] += [now] * (len(out.outputs[0].token_ids) - len(times[i]))
+            if out.finished:
+                finals[i] = out.outputs[0]
+                bar.update()
     bar.close()
-    stats = engine.stats()
-    steps = [(t - start, *rest) for t, *rest in engine.step_log[first_step:]]
-    info = {"compilations_before": before, "compilations_after": stats["num_compilations"],
-            "compilations_during_timed_run": stats["num_compilations"] - before,
+    duration, after = time.monotonic() - start, engine.stats()
+    tokens = [list(finals[i].token_ids) for i in range(len(requests))]
+    return {"duration_s": duration, "output_tokens": sum(map(len, tokens)),
+            "output_tokens_per_s": sum(map(len, tokens)) / duration,
+            "ttft": stats_ms([t[0] - sent[i] for i, t in enumerate(times) if t]),
+            "tpot": stats_ms([(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]),
+            "steps": steps, "start": start, "token_times": times,
+            "step_log": [(t - start, *rest) for t, *rest in engine.step_log[first_logged:]],
+            "tokens": tokens, "texts": [finals[i].text for i in range(len(requests))],
+            "stats": {k: v - before[k] for k, v in after.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and isinstance(before.get(k), (int, float))}}
+
+
+def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
+    """`drive` over a workload's Requests (greedy, ignore_eos), each at its arrival time, from
+    an empty prefix cache (a warm-up run of the same prompts must not serve this one)."""
+    from jaxbatch import SamplingParams
+    engine.reset_prefix_cache()
+    run = drive(engine, [(r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len,
+                                                       ignore_eos=True)) for r in requests],
+                arrivals=[r.arrival for r in requests], label=label if progress else None)
+    traces = [Trace(r.rid, r.kind, len(r.prompt_ids), r.output_len, run["start"] + r.arrival,
+                    token_times) for r, token_times in zip(requests, run["token_times"])]
+    stats, compiled = engine.stats(), run["stats"]["num_compilations"]
+    info = {"compilations_before": stats["num_compilations"] - compiled,
+            "compilations_after": stats["num_compilations"],
+            "compilations_during_timed_run": compiled,
             "warmup_seconds": engine.warmup_seconds, "compile_seconds": stats["compile_seconds"],
             "num_preemptions": stats["num_preemptions"],
             "config": dataclasses.asdict(engine.config)}
-    return RunResult(label, start, list(traces.values()), steps, step_seconds, info)
+    return RunResult(label, run["start"], traces, run["step_log"], [s[0] for s in run["steps"]],
+                     info)
 
 
 def warm_jaxbatch(engine, requests, mode):

@@ -1,10 +1,7 @@
 """What LoRA adapters cost a decode step: a random model of the embedded shapes with random
 rank-16 PEFT adapters on all seven layer matrices; full-batch decode steps at 16 and 64 rows
 with 0, 1 and `max_loras` adapters active, against an engine without LoRA, in turns --rounds
-times. (The batch delta's forms alone: `python -m benchmarks lora-delta`.)
-
-    jaxbatch bench lora --rows 16 64 --rounds 2
-"""
+times. (The batch delta's forms alone: `python -m benchmarks lora-delta`.)"""
 from __future__ import annotations
 
 import json
@@ -13,8 +10,9 @@ import tempfile
 
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, full_decode_step_ms
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 
 def write_random_adapter(folder: str, cfg, rank: int, seed: int) -> None:

@@ -2,19 +2,16 @@
 shared_system (Poisson arrivals at --prefix-rate sharing one ~850-token system prompt),
 multi_turn (every turn resends the conversation) and no_sharing (the bundled prompts once, at
 t=0: hashing is all the cache adds). Each run starts from an empty cache; on and off take turns
---repeats times, medians reported; greedy outputs must be equal (reported).
-
-    jaxbatch bench prefix [--repeats 2] [--out bench_out] [--price-per-hour USD]
-"""
+--repeats times, medians reported; greedy outputs must be equal (reported)."""
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, tok_s_cells
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
-from jaxbatch.benchmarks.harness import run_jaxbatch, summarize
+from jaxbatch.benchmarks.harness import drive, run_jaxbatch, summarize
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, Request, chat_ids,
                                            encode_prompts, lognormal_lengths, load_prompts,
@@ -37,7 +34,8 @@ def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> l
 
 def arrivals_run(engine, requests) -> dict:
     """The requests at their arrival times (harness.py); TTFT counts from the arrival."""
-    s = summarize(run := run_jaxbatch(engine, requests, "prefix", progress=False))
+    run = run_jaxbatch(engine, requests, "prefix", progress=False)
+    s = summarize(run)
     return {"output_tokens_per_s": s["output_tokens_per_s"], "duration_s": s["duration_s"],
             "ttft_mean_ms": s["ttft"]["mean_ms"], "ttft_median_ms": s["ttft"]["median_ms"],
             "compilations": run.info["compilations_during_timed_run"]}

@@ -1,20 +1,18 @@
 """Capacity and throughput of the int8 options on one KV memory budget (the embedded model).
 
-    jaxbatch bench quant [--context 256] [--base-seqs 8] [--requests 64] [--rounds 1] [--out DIR]
-
 The budget is what --base-seqs float32 sequences of --context tokens need: the blocks a float32,
 bfloat16 and int8 cache get from it and the largest max_num_seqs that fits. The same requests
 (mixed output lengths, ignore_eos), in turns --rounds times, through f32_kv (the baseline),
 int8_kv (the int8 cache's batch), int8_weights and int8_both: output tokens/s and the median
-full-batch decode step. (One step alone: `python -m benchmarks quant-step`.)
-"""
+full-batch decode step. (One step alone: `python -m benchmarks quant-step`.)"""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, full_decode_step_ms, tok_s_cells
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, full_decode_step_ms, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 
 BLOCK_SIZE = 16

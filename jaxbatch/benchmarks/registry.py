@@ -57,6 +57,3 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     return dispatch(argv, "jaxbatch bench", BENCHMARKS, lambda name: f"jaxbatch.benchmarks.{name}")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -68,17 +68,16 @@ def to_json(obj):
     return str(obj)
 
 
-def write_json(path: Path, report: dict, default=to_json) -> Path:
+def write_json(path: Path, report: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=default))
+    path.write_text(json.dumps(report, indent=1, default=to_json))
     return path
 
 
-def write_report(out_dir, name: str, report: dict, md: str | None = None,
-                 default=to_json) -> list[Path]:
+def write_report(out_dir, name: str, report: dict, md: str | None = None) -> list[Path]:
     """<out_dir>/<name>.json and, given the markdown, <out_dir>/<name>.md."""
-    paths = [write_json(Path(out_dir) / f"{name}.json", report, default)]
+    paths = [write_json(Path(out_dir) / f"{name}.json", report)]
     if md is not None:
         paths.append(Path(out_dir) / f"{name}.md")
         paths[-1].write_text(md + "\n")

@@ -55,12 +55,14 @@ class RequestResult:
 
 def request_body(api: str, model: str, req: ServeRequest, max_tokens_field: str | None,
                  extra: dict) -> dict:
-    chat = api == "chat"
     body = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-            **({"messages": [{"role": "user", "content": req.text}]} if chat else
-               {"prompt": req.text}),
-            max_tokens_field or ("max_completion_tokens" if chat else "max_tokens"): req.max_tokens}
+            "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": req.text}]
+    else:
+        body["prompt"] = req.text
+    default_field = "max_completion_tokens" if api == "chat" else "max_tokens"
+    body[max_tokens_field or default_field] = req.max_tokens
     return {**body, **extra}
 
 
@@ -74,49 +76,54 @@ def _chunk_text(api: str, choice: dict) -> str:
     return choice.get("text") or ""
 
 
+async def _read_stream(resp, api: str, result: RequestResult, now) -> str | None:
+    """Reads one response's server-sent events into `result`; returns why it failed, or None."""
+    if resp.status_code != 200:
+        text = (await resp.aread()).decode(errors="replace")
+        return f"HTTP {resp.status_code}: {text[:300]}"
+    async for line in resp.aiter_lines():
+        arrived = now()
+        if not line.startswith("data:"):
+            continue        # blank separators, ": keep-alive" comments, event: lines
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return None
+        msg = json.loads(data)
+        if "error" in msg:
+            return f"stream error: {json.dumps(msg['error'])[:300]}"
+        for choice in msg.get("choices") or []:
+            text = _chunk_text(api, choice)
+            if text:
+                result.chunk_times.append(arrived)
+                result.text_chars += len(text)
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        usage = msg.get("usage")
+        if usage:
+            result.prompt_tokens = usage.get("prompt_tokens")
+            result.output_tokens = usage.get("completion_tokens")
+    return "stream ended without data: [DONE]"
+
+
 async def send_request(client, base: str, api: str, body: dict, result: RequestResult,
                        t0: float, clock=time.perf_counter) -> RequestResult:
     """One streaming request; fills `result` with times relative to t0 (on `clock`)."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    chunks_seen, result.sent = 0, clock() - t0
+    result.sent = clock() - t0
     try:
         async with client.stream("POST", base + path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error, result.end = f"HTTP {resp.status_code}: {text[:300]}", clock() - t0
-                return result
-            async for line in resp.aiter_lines():
-                now = clock() - t0
-                if not line.startswith("data:"):
-                    continue        # blank separators, ": keep-alive" comments, event: lines
-                if (data := line[5:].strip()) == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    result.error = f"stream error: {json.dumps(msg['error'])[:300]}"
-                    break
-                for choice in msg.get("choices") or []:
-                    if text := _chunk_text(api, choice):
-                        result.chunk_times.append(now)
-                        result.text_chars += len(text)
-                        chunks_seen += 1
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-                if usage := msg.get("usage"):
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                    result.output_tokens = usage.get("completion_tokens")
-            else:
-                result.error = "stream ended without data: [DONE]"
+            result.error = await _read_stream(resp, api, result, lambda: clock() - t0)
             result.end = clock() - t0
     except Exception as e:      # connection refused/reset, timeouts, bad JSON
-        result.error, result.end = f"{type(e).__name__}: {e}"[:300], clock() - t0
-        return result
-    if result.error is None:
-        if result.output_tokens is None:    # no usage chunk: count chunks, and say so
-            result.usage_missing, result.output_tokens = True, chunks_seen
-        result.ok = result.output_tokens > 0 and bool(result.chunk_times)
-        if not result.ok:
-            result.error = "no output tokens"
+        result.error = f"{type(e).__name__}: {e}"[:300]
+        result.end = clock() - t0
+    if result.error is None and result.output_tokens is None:
+        # No usage chunk: count the chunks with text instead, and say so.
+        result.usage_missing = True
+        result.output_tokens = len(result.chunk_times)
+    if result.error is None and not (result.output_tokens > 0 and result.chunk_times):
+        result.error = "no output tokens"
+    result.ok = result.error is None
     return result
 
 
@@ -125,7 +132,8 @@ async def poll_health(client, base: str, interval: float, stop: asyncio.Event, t
     """GET /health every `interval` s until `stop`; (offset s on `clock`, latency s, status or
     error). The latency is always wall time: it is what an orchestrator's probe would see."""
     while not stop.is_set():
-        offset, start = clock() - t0, time.perf_counter()
+        offset = clock() - t0
+        start = time.perf_counter()
         try:
             resp = await client.get(base + "/health", timeout=10.0)
             status = resp.status_code
@@ -199,24 +207,20 @@ def _stream_client(api_key: str | None, transport):
     return AiohttpStreams(api_key) if transport is None else _client(None, api_key, transport)
 
 
-_frozen_runs = [0]      # runs in progress under _heap_frozen
-
-
 @contextlib.contextmanager
 def _heap_frozen():
     """The process's objects out of the collector's reach for the run: in a process holding a
     large heap (a model, a test session) a full collection holds every thread long enough to
     delay the sends and stream reads, and the figures would time the collector (vLLM's engine
-    core freezes its heap alike). Only the outermost run that froze unfreezes."""
-    ours = _frozen_runs[0] == 0 and gc.get_freeze_count() == 0
+    core freezes its heap alike). A heap frozen already (by the process, or by a run in
+    progress) stays as it is: only the run that froze it unfreezes it."""
+    ours = gc.get_freeze_count() == 0
     if ours:
         gc.collect()
         gc.freeze()
-    _frozen_runs[0] += 1
     try:
         yield
     finally:
-        _frozen_runs[0] -= 1
         if ours:
             gc.unfreeze()
 
@@ -228,33 +232,38 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
                    transport=None) -> dict:
     """Sends the workload to one server at one rate; returns the summary and every request.
     `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
-    base, extra_body = normalize_base(base), extra_body or {}
+    base = normalize_base(base)
+    extra_body = extra_body or {}
     with _heap_frozen():
         async with _stream_client(api_key, transport) as client, \
                 _client(4, api_key, transport) as control:
             model = model or await served_model(control, base)
             offsets = arrival_offsets(workload, rate)
             sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-            samples, stop = [], asyncio.Event()
-            inflight = [0, 0]      # now, peak
+            samples = []        # /health: (offset s, latency s, status or error)
+            stop = asyncio.Event()
+            in_flight = peak_in_flight = 0
 
             async def one(req, offset):
-                if (delay := offset - (clock() - t0)) > 0:
+                nonlocal in_flight, peak_in_flight
+                delay = offset - (clock() - t0)
+                if delay > 0:
                     await asyncio.sleep(delay)
                 result = RequestResult(req.idx, req.max_tokens, scheduled=offset)
                 body = request_body(api, model, req, max_tokens_field, extra_body)
                 async with sem or contextlib.nullcontext():
-                    inflight[0] += 1
-                    inflight[1] = max(inflight)
+                    in_flight += 1
+                    peak_in_flight = max(peak_in_flight, in_flight)
                     try:
                         return await send_request(client, base, api, body, result, t0, clock)
                     finally:
-                        inflight[0] -= 1
+                        in_flight -= 1
 
             t0 = clock()
-            poller = (asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
-                                                      samples, clock))
-                      if health_interval else None)
+            poller = None
+            if health_interval:
+                poller = asyncio.create_task(poll_health(control, base, health_interval, stop,
+                                                         t0, samples, clock))
             results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
             duration = clock() - t0
             stop.set()
@@ -262,7 +271,7 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
                 await poller
     summary = summarize_results(results, duration, goodput)
     summary.update(model=model, api=api, request_rate=rate, max_concurrency=max_concurrency,
-                   peak_concurrent_requests=inflight[1], health=health_summary(samples))
+                   peak_concurrent_requests=peak_in_flight, health=health_summary(samples))
     return {"summary": summary,
             "requests": [{**dataclasses.asdict(r), "ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el}
                          for r in results],

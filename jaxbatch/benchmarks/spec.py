@@ -2,16 +2,14 @@
 output tokens/s and TPOT at 1, 4 and 16 concurrent requests (a closed loop) on `repetitive`
 ("correct this paragraph" prompts: the answer mostly copies) and `default` (the bundled
 prompts). On and off take turns --repeats times, medians reported; greedy tokens must be equal
-(reported). What a row costs a decode step is `bench throughput`'s `decode_step_ms_by_rows`.
-
-    jaxbatch bench spec [--repeats 2] [--k 3] [--out bench_out] [--price-per-hour USD]
-"""
+(reported). What a row costs a decode step is `bench throughput`'s `decode_step_ms_by_rows`."""
 from __future__ import annotations
 
 import numpy as np
 
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive, tok_s_cells
+from jaxbatch.benchmarks.ab import ABBenchmark, compare, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, chat_ids,
                                            encode_prompts, lognormal_lengths, load_prompts)

@@ -2,10 +2,7 @@
 private cache root holding the converted weights: cold (nothing compiled on disk), warm (what
 cold left: stored lowerings, JAX's cache), traced (--traced: JAX's cache only) and serial (cold
 on one thread). Reports load, warm-up (wall and CPU s, lower / compile split), executables,
-time to first token and the load average at the end.
-
-    jaxbatch bench startup [--max-num-seqs 16] [--max-model-len 8192] [--no-unified-step]
-"""
+time to first token and the load average at the end."""
 from __future__ import annotations
 
 import argparse

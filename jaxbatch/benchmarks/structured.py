@@ -1,14 +1,11 @@
 """Structured outputs' cost in the continuous batch: `bench throughput`'s offline workload with
 0 %, 50 % and 100 % of the requests constrained to a JSON schema, on one warmed engine, in
 turns --rounds times: output tokens/s, steps, the grammar's host time per masked step, masks
-filled while the forward ran. JSON requests stop where their schema ends: compare tokens/s.
-
-    jaxbatch bench structured --fractions 0 0.5 1 --num-requests 64 --max-num-seqs 32
-"""
+filled while the forward ran. JSON requests stop where their schema ends: compare tokens/s."""
 from __future__ import annotations
 
 from jaxbatch.benchmarks import harness, workloads
-from jaxbatch.benchmarks.ab import ABBenchmark, compare, drive
+from jaxbatch.benchmarks.ab import ABBenchmark, compare
 from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.report import table
 
@@ -22,14 +19,17 @@ SCHEMA = {"type": "object", "properties": {
 
 def run(engine, requests, fraction) -> dict:
     from jaxbatch import SamplingParams, StructuredOutputsParams
-    so = StructuredOutputsParams(json=SCHEMA)
-    n_json, n = round(fraction * len(requests)), len(requests)
-    # constrained requests spread evenly, so both kinds share steps
-    out = drive(engine, [(r.prompt_ids, SamplingParams(
-        temperature=0.0, max_tokens=max(r.output_len, 64), structured_outputs=so)
-        if (k * n_json) // n != ((k + 1) * n_json) // n else SamplingParams(
-        temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-        for k, r in enumerate(requests)])
+    n, n_json = len(requests), round(fraction * len(requests))
+    schema = StructuredOutputsParams(json=SCHEMA)
+    batch = []
+    for k, r in enumerate(requests):
+        if (k * n_json) // n != ((k + 1) * n_json) // n:    # spread evenly: both kinds share steps
+            params = SamplingParams(temperature=0.0, max_tokens=max(r.output_len, 64),
+                                    structured_outputs=schema)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        batch.append((r.prompt_ids, params))
+    out = harness.drive(engine, batch)
     d = out["stats"]
     fills = d["structured_num_mask_fills"]
     return {"json_fraction": fraction, "json_requests": n_json,

@@ -13,9 +13,8 @@ from an empty prefix cache; timing is wall clock around the timed part only.
 """
 from __future__ import annotations
 
-from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, jaxbatch_engine,
-                                         pow2_model_len, run_jaxbatch, step_stats, summarize,
-                                         warm_jaxbatch, warmed_engine)
+from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, pow2_model_len,
+                                         run_jaxbatch, step_stats, summarize, warmed_engine)
 from jaxbatch.benchmarks.base import Benchmark, add_flags
 from jaxbatch.benchmarks.report import cdf, cost_cell, fmt, pyplot, save_png, stats_ms, table, trio
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SHORT_KINDS, encode_prompts,
@@ -38,17 +37,12 @@ def bench_offline(args, loaded, requests, peer_runs=None) -> dict:
             first = first or engine
         else:
             runs[name] = peer_runs[name](requests, slots)
-    return {"requests": request_rows(requests), "max_model_len": model_len,
+    # The requests are in each run's traces (RunResult.to_json).
+    return {"max_model_len": model_len,
             "ideal": ideal_ratio([r.output_len for r in requests], slots),
             "summaries": {n: {**summarize(run), **step_stats(run, slots), **run.info}
                           for n, run in runs.items()},
             "runs": runs}
-
-
-def request_rows(requests, arrivals: bool = False) -> list[dict]:
-    return [{"rid": r.rid, "kind": r.kind, "prompt_len": len(r.prompt_ids),
-             "output_len": r.output_len, **({"arrival_s": r.arrival} if arrivals else {})}
-            for r in requests]
 
 
 def bench_online(args, loaded, requests) -> dict:
@@ -62,9 +56,9 @@ def bench_online(args, loaded, requests) -> dict:
                 "unchunked": (whole, slots + whole)}
     runs, summaries = {}, {}
     for name, (chunk, budget) in variants.items():
-        engine = jaxbatch_engine(loaded, "continuous", slots, model_len, chunk, budget,
-                                 **args.engine_kwargs)
-        warm_jaxbatch(engine, requests, "buckets")   # arrivals vary run to run: compile all
+        # Arrivals vary run to run: every bucket compiled.
+        engine = warmed_engine(loaded, "continuous", slots, model_len, requests, "buckets",
+                               chunk=chunk, budget=budget, **args.engine_kwargs)
         run = runs[name] = run_jaxbatch(engine, requests, f"online {name}")
         del engine
         short = [t for t in run.traces if t.kind in SHORT_KINDS]
@@ -72,8 +66,7 @@ def bench_online(args, loaded, requests) -> dict:
                            "prefill_chunk_size": chunk, "max_num_batched_tokens": budget,
                            "short_ttft": stats_ms([t.token_times[0] - t.arrival for t in short]),
                            "max_step_ms": 1e3 * max(run.step_seconds)}
-    return {"requests": request_rows(requests, arrivals=True), "request_rate": args.request_rate,
-            "summaries": summaries, "runs": runs}
+    return {"request_rate": args.request_rate, "summaries": summaries, "runs": runs}
 
 
 def engine_table(summaries, price: dict) -> str:
@@ -185,12 +178,11 @@ class Throughput(Benchmark):
         ap.add_argument("--engines", nargs="+", choices=names, default=list(names))
         ap.add_argument("--workloads", nargs="+", choices=("offline", "online"),
                         default=list(self.workloads))
-        for flag, what in (("--max-num-seqs", "slots (a peer's batch size); default 16"),
-                           ("--num-requests", "offline requests; default 32"),
-                           ("--max-prompt-len", "truncate prompts to their last N tokens")):
-            ap.add_argument(flag, type=int, default=None, help=what)
-        ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-        add_flags(ap, output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0,
+        ap.add_argument("--max-prompt-len", type=int, default=None,
+                        help="truncate prompts to their last N tokens")
+        add_flags(ap, max_num_seqs=(16, "slots (a peer's batch size); default 16"),
+                  num_requests=(32, "offline requests; default 32"), prompts=str(DEFAULT_PROMPTS),
+                  output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0,
                   request_rate=(1.0, "online arrivals per second"),
                   online_short=(20, "online short requests"),
                   online_long=(3, "online long prompts among them"),
@@ -198,7 +190,7 @@ class Throughput(Benchmark):
                   online_chunk=(64, "chunked variant's chunk size"),
                   online_budget_chunks=(4, "chunked variant's budget: max_num_seqs + this many "
                                            "chunks"))
-        ap.add_argument("--warmup", choices=("buckets", "workload"), default=None,
+        ap.add_argument("--warmup", choices=("buckets", "workload"), default="buckets",
                         help="jaxbatch warm-up: every bucket (default) or an untimed run of "
                              "the same offline workload")
         ap.add_argument("--xla-cache", default=None,
@@ -210,14 +202,12 @@ class Throughput(Benchmark):
                         help="jaxbatch engines: int8 weight-only layer matrices")
 
     def resolve(self, args):
-        """The settings the flags imply (a subclass fills the defaults left None its own way)."""
+        """The settings the flags imply."""
         args.lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
         args.online_lengths = (args.online_output_median, args.output_sigma, args.output_min,
                                args.online_output_max)
         args.engine_kwargs = dict(kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization)
-        args.warmup, args.max_num_seqs = args.warmup or "buckets", args.max_num_seqs or 16
-        args.num_requests = args.num_requests or 32
         return args
 
     def bench(self, loaded, args) -> dict:

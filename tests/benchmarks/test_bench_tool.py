@@ -147,6 +147,19 @@ def test_price_flag_states_its_default_in_help(capsys):
                      re.S)
 
 
+def test_help_states_the_docstring_once_and_its_second_paragraph_after_the_flags(capsys):
+    """A benchmark's module docstring is its --help: the first paragraph above the flags, the
+    rest (where there is a rest) below them."""
+    for name, first, rest in (("prefix", "Prefix caching, on vs off", None),
+                              ("quant", "Capacity and throughput", "The budget is what")):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", name, "--help"])
+        out = capsys.readouterr().out
+        flags = out.index("\noptions:")
+        assert out.count(first) == 1 and out.index(first) < flags
+        assert rest is None or out.index(rest) > flags
+
+
 def test_machine_info_names_the_cpu_and_the_device():
     info = machine.machine_info()
     assert info["cpu_count"] >= 1 and isinstance(info["cpu_flags"], list)
