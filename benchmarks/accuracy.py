@@ -69,7 +69,8 @@ def _chunk_logprobs(params, pool, tokens, start, *, cfg, inv_freq, quantization=
     attend = attention.get_backend("reference").prefill_attend(meta, cfg.head_dim ** -0.5)
     hidden, pool = reference_forward(params, cfg, pool, tokens, positions, slots, attend,
                                      inv_freq, quantization)
-    return jax.nn.log_softmax(compute_logits(reference_params(params), hidden), axis=-1), pool
+    logits = compute_logits(reference_params(params, quantization), hidden)   # w8a8: its head too
+    return jax.nn.log_softmax(logits, axis=-1), pool
 
 
 @jax.jit

@@ -55,8 +55,10 @@ class Packed(Linear):
 
 
 class AmxPacked(Packed):
-    """The same bf16 matrix, as packed, met by the CPU's AMX tiles (`tdpbf16ps`)."""
+    """The same bf16 matrix, as packed, met by the CPU's AMX tiles (`tdpbf16ps`). The tiles
+    leave the epilogue's arithmetic the cheaper side from one row on: silu * up always fuses."""
     amx = True
+    silu_epilogue_min_rows = 1
 
 
 Packed = pytree_weight(Packed, ("packed",))
@@ -169,8 +171,10 @@ class PackedW8A8(Linear):
 
 
 class AmxPackedW8A8(PackedW8A8):
-    """The same, met by the CPU's AMX int8 tiles (`tdpbusd`): the same int32 sums."""
+    """The same, met by the CPU's AMX int8 tiles (`tdpbusd`): the same int32 sums (and silu *
+    up fused from one row, as `AmxPacked`)."""
     amx = True
+    silu_epilogue_min_rows = 1
 
 
 W8A8 = pytree_weight(W8A8, ("values", "scale"))
