@@ -46,9 +46,10 @@ VARIANTS = {  # name: (kv_cache_dtype, quantization)
     "int8_both": ("int8", "int8"),
     "w8a8": ("auto", "w8a8"),
 }
-# From measurements on the embedded model (issue 13): top-1 >=, mean KL <=, |ppl change| <= %.
+# From measurements on the embedded model (issue 13; w8a8's with its LM head quantized too):
+# top-1 >=, mean KL <=, |ppl change| <= %.
 TARGETS = {"int8_kv": (0.96, 0.005, 0.5), "int8_weights": (0.94, 0.01, 1.0),
-           "int8_both": (0.93, 0.012, None), "w8a8": (0.88, 0.035, 4.5)}
+           "int8_both": (0.93, 0.012, None), "w8a8": (0.88, 0.04, 4.5)}
 PROMPTS = ["What is the capital of France, and what is it known for?",
            "Explain in two sentences why the sky is blue.",
            "Write a short poem about a lighthouse keeper.",
