@@ -47,6 +47,7 @@ def unavailable_reason() -> str | None:
         reason = availability.unavailable_reason(SOURCE, symbol, target)
         if reason:
             return reason
+    amx_why_not()           # registers the AMX variants where they run (a stored step may call one)
     return None
 
 

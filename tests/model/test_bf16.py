@@ -35,7 +35,7 @@ _DOT = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\
 # x, the packed weight, then the count of rows before the padding
 _GEMM = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* custom-call\("
                    r"%([\w.\-]+), %([\w.\-]+), %[\w.\-]+\)"
-                   r".*custom_call_target=\"jaxbatch_packed_gemm(_bf16_out|_silu_mul)?\"")
+                   r".*custom_call_target=\"jaxbatch_packed_gemm(_bf16_out|_silu_mul)?(?:_amx)?\"")
 
 
 def _bf16(loaded: LoadedModel) -> LoadedModel:

@@ -255,15 +255,15 @@ def test_every_model_call_tells_its_layer_gemms_where_the_padding_starts(monkeyp
     seen = []
     real_matmul, real_silu_mul = packed_gemm.matmul, packed_gemm.silu_mul
 
-    def matmul(x, packed, out_dtype=jnp.float32, rows=None):
+    def matmul(x, packed, out_dtype=jnp.float32, rows=None, **variant):
         # a bf16 model's layers round to bf16; its head's logits stay float32
         seen.append(("head" if jnp.dtype(out_dtype) == jnp.float32 else "layer",
                      rows is not None))
-        return real_matmul(x, packed, out_dtype, rows)
+        return real_matmul(x, packed, out_dtype, rows, **variant)
 
-    def silu_mul(x, packed, rows=None):
+    def silu_mul(x, packed, rows=None, **variant):
         seen.append(("layer", rows is not None))
-        return real_silu_mul(x, packed, rows)
+        return real_silu_mul(x, packed, rows, **variant)
     monkeypatch.setattr(packed_gemm, "matmul", matmul)
     monkeypatch.setattr(packed_gemm, "silu_mul", silu_mul)
     engine = tiny_engine_in(jnp.bfloat16, unified_step=True)
