@@ -1,8 +1,7 @@
 """The feature A/Bs' base (`jaxbatch bench prefix | spec | structured | lora | quant`): variants
 of one engine option run the same cases in turns, round by round, each round's order rotated by
 one, so a slow moment of a shared machine hits every variant alike; each figure is the median
-over rounds, stated beside the first variant's (the baseline) as a ratio. The measurement most
-share is harness.drive: requests run to the end on one engine."""
+over rounds, stated beside the first variant's (the baseline) as a ratio."""
 from __future__ import annotations
 
 import statistics
@@ -18,8 +17,7 @@ def full_decode_step_ms(steps, rows: int) -> float | None:
 
 
 def interleave(variants, rounds: int, measure) -> dict[str, list]:
-    """`measure(variant, round)` for every variant, `rounds` times, round r starting at
-    variant r mod len(variants); {variant: [its runs in round order]}."""
+    """{variant: [`measure(variant, round)` for each round]}, round r starting at variant r."""
     variants, runs = list(variants), {v: [] for v in variants}
     for r in range(rounds):
         k = r % len(variants)
@@ -42,10 +40,10 @@ def median_run(runs: list[dict]) -> dict:
 
 def compare(variants, rounds: int, measure, same_outputs: bool = False,
             keep=("output_tokens_per_s",), base=None) -> dict:
-    """`interleave`d runs summed up: {variant: its median run (without per-request lists),
-    "ratio": {variant: {key: its / the `base` variant's (default: the first), for each key of
-    `keep`}}}; with `same_outputs`, "outputs_equal": whether every run of every variant gave
-    the same tokens (greedy options that must not change the text: prefix caching, speculation)."""
+    """`interleave`d runs summed up: {variant: its median run less per-request lists, "ratio":
+    {variant: {k: its / the `base` (default: the first) variant's, for k in `keep`}}}; with
+    `same_outputs`, "outputs_equal": whether every run gave the same tokens (for greedy options
+    that must not change the text: prefix caching, speculation)."""
     runs = interleave(variants, rounds, measure)
     entry = {v: {k: x for k, x in median_run(rs).items() if not isinstance(x, list)}
              for v, rs in runs.items()}

@@ -1,7 +1,6 @@
-"""The base every `jaxbatch bench NAME` stands on. A benchmark is a subclass whose module
-docstring is its --help, with its flags (`add_arguments`), what it measures (`bench`) and its
-table (`markdown`); `main(argv)` parses, loads the model, states the machine, times and prices
-the run, writes <out>/<report_name>.json and .md (and `plots`' PNGs), and prints the table."""
+"""The base every `jaxbatch bench NAME` stands on: a subclass whose module docstring is its
+--help, with its flags (`add_arguments`), what it measures (`bench`) and its table (`markdown`);
+`main(argv)` runs it on a stated machine, prices it, writes <out>/<report_name>.json and .md."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +34,6 @@ class Benchmark:
 
     def check(self, args) -> str | None:
         """Why these flags cannot run (argparse says it), or None."""
-        return None
 
     def load(self, args):
         from jaxbatch.model.loader import load_model

@@ -69,41 +69,35 @@ def summarize(run: RunResult) -> dict:
     done = [t for t in run.traces if len(t.token_times) == t.output_len]
     if not done:
         raise RuntimeError(f"{run.engine}: no request completed")
-    end = max(t.token_times[-1] for t in done)
-    duration = end - run.start
+    duration = max(t.token_times[-1] for t in done) - run.start
     out_tokens, in_tokens = sum(len(t.token_times) for t in done), sum(t.prompt_len for t in done)
-    return {
-        "completed": len(done), "requests": len(run.traces), "duration_s": duration,
-        "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "request_throughput": len(done) / duration, "output_tokens_per_s": out_tokens / duration,
-        "total_tokens_per_s": (in_tokens + out_tokens) / duration,
-        "ttft": stats_ms([t.token_times[0] - t.arrival for t in done]),
-        "tpot": stats_ms([(t.token_times[-1] - t.token_times[0]) / (t.output_len - 1)
-                          for t in done if t.output_len > 1]),
-        "itl": stats_ms([b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]),
-        "e2el": stats_ms([t.token_times[-1] - t.arrival for t in done]),
-    }
+    return {"completed": len(done), "requests": len(run.traces), "duration_s": duration,
+            "input_tokens": in_tokens, "output_tokens": out_tokens,
+            "request_throughput": len(done) / duration,
+            "output_tokens_per_s": out_tokens / duration,
+            "total_tokens_per_s": (in_tokens + out_tokens) / duration,
+            "ttft": stats_ms([t.token_times[0] - t.arrival for t in done]),
+            "tpot": stats_ms([(t.token_times[-1] - t.token_times[0]) / (t.output_len - 1)
+                              for t in done if t.output_len > 1]),
+            "itl": stats_ms([b - a for t in done for a, b in itertools.pairwise(t.token_times)]),
+            "e2el": stats_ms([t.token_times[-1] - t.arrival for t in done])}
 
 
 def step_stats(run: RunResult, slots: int) -> dict:
+    """Slot occupancy, KV blocks in use, and where step time went: prefill-chunk vs decode-only
+    steps, and the median decode-only step by rows padded to a power of two, as the runner pads."""
     if not run.steps:
         return {}
     seqs, blocks = np.array([s[1] for s in run.steps]), np.array([s[2] for s in run.steps])
-    return {"num_steps": len(run.steps), "mean_slot_occupancy": float(seqs.mean() / slots),
-            "max_kv_blocks_in_use": int(blocks.max()), "mean_kv_blocks_in_use": float(blocks.mean()),
-            **step_time_split(run.steps, run.step_seconds)}
-
-
-def step_time_split(steps, step_seconds) -> dict:
-    """Where a run's step time went: steps with a prefill chunk vs decode-only ones, and the
-    median decode-only step by rows padded to a power of two, as the runner pads them."""
-    decode = [(s[1], dt) for s, dt in zip(steps, step_seconds) if s[3] == s[1]]
-    prefill = [dt for s, dt in zip(steps, step_seconds) if s[3] != s[1]]
+    decode = [(s[1], dt) for s, dt in zip(run.steps, run.step_seconds) if s[3] == s[1]]
+    prefill = [dt for s, dt in zip(run.steps, run.step_seconds) if s[3] != s[1]]
     by_rows = {}
     for rows, dt in decode:
         by_rows.setdefault(1 << (rows - 1).bit_length(), []).append(dt)
-    return {"prefill_steps": len(prefill), "prefill_step_seconds": float(sum(prefill)),
-            "decode_only_steps": len(decode),
+    return {"num_steps": len(run.steps), "mean_slot_occupancy": float(seqs.mean() / slots),
+            "max_kv_blocks_in_use": int(blocks.max()),
+            "mean_kv_blocks_in_use": float(blocks.mean()), "prefill_steps": len(prefill),
+            "prefill_step_seconds": float(sum(prefill)), "decode_only_steps": len(decode),
             "decode_only_seconds": float(sum(dt for _, dt in decode)),
             "mean_rows_per_decode_step": float(np.mean([r for r, _ in decode])) if decode else 0.0,
             "decode_step_ms_by_rows": {r: {"steps": len(v), "median_ms": 1e3 * float(np.median(v))}
@@ -111,7 +105,7 @@ def step_time_split(steps, step_seconds) -> dict:
 
 
 def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=None, **kw):
-    from jaxbatch.engine.llm_engine import LLMEngine
+    from jaxbatch import LLMEngine
     return LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=max_model_len,
                      batching=batching, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
                      warmup=False, **kw)
@@ -119,13 +113,12 @@ def jaxbatch_engine(loaded, batching, slots, max_model_len, chunk=None, budget=N
 
 def drive(engine, requests, concurrency: int | None = None, arrivals=None,
           label: str | None = None) -> dict:
-    """Runs `requests`, each (prompt ids, SamplingParams[, add_request keywords]), to the end,
-    with at most `concurrency` in flight (None: no cap), each added at its offset in `arrivals`
-    (seconds after the start, passed on as its arrival_time, so time spent queued counts in
-    its TTFT; None: all at t=0, TTFT from the add); `label` names a progress bar. Returns the
-    wall time, output tokens/s, TTFT and TPOT, each computing step as (seconds, sequences,
-    tokens), the engine's step log from the start, every request's token times, tokens and
-    text, and how much each numeric engine stat moved."""
+    """Runs `requests`, each (prompt ids, SamplingParams[, add_request keywords]), to the end:
+    at most `concurrency` in flight (None: no cap), each added at its offset in `arrivals`
+    (seconds, passed on as its arrival_time, so time queued counts in its TTFT; None: all at
+    t=0, TTFT from the add); `label` names a progress bar. Returns wall time, tokens/s, TTFT,
+    TPOT, per-step (seconds, sequences, tokens), per-request token times, tokens, text, and
+    each numeric engine stat's change."""
     run, before, first_logged = next(_RUN_IDS), engine.stats(), len(engine.step_log)
     offsets = [0.0] * len(requests) if arrivals is None else arrivals
     pending = deque(sorted(range(len(requests)), key=lambda i: offsets[i]))
@@ -188,30 +181,25 @@ def run_jaxbatch(engine, requests, label, progress=True) -> RunResult:
             "warmup_seconds": engine.warmup_seconds, "compile_seconds": stats["compile_seconds"],
             "num_preemptions": stats["num_preemptions"],
             "config": dataclasses.asdict(engine.config)}
-    return RunResult(label, run["start"], traces, run["step_log"], [s[0] for s in run["steps"]],
-                     info)
+    step_seconds = [s[0] for s in run["steps"]]
+    return RunResult(label, run["start"], traces, run["step_log"], step_seconds, info)
 
 
-def warm_jaxbatch(engine, requests, mode):
-    """'buckets': compile every bucket; 'workload': an untimed run of the same requests at t=0
-    (scheduling is deterministic: it compiles what its offline twin needs, cheaper on a GPU)."""
-    if mode == "buckets":
+def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=None, **kw):
+    """An engine ready to time, warmed by `mode`: 'buckets' compiles every bucket; 'workload'
+    runs the same requests at t=0, untimed (scheduling is deterministic: it compiles what its
+    offline twin needs, cheaper on a GPU). `shared`: an engine whose runner (compiled steps, KV
+    pool) it reuses, so static and continuous run identical executables; a bucket-warmed runner
+    needs no second warm-up (a workload warm-up still runs: schedules differ)."""
+    engine = jaxbatch_engine(loaded, batching, slots, model_len,
+                             runner=shared.runner if shared is not None else None, **kw)
+    if mode == "buckets" and shared is None:
         engine.warmup()
-    else:
+    elif mode == "workload":
         start = time.perf_counter()
         run_jaxbatch(engine, [dataclasses.replace(r, arrival=0.0) for r in requests], "warm-up",
                      progress=False)
         engine.warmup_seconds += time.perf_counter() - start
-
-
-def warmed_engine(loaded, batching, slots, model_len, requests, mode, shared=None, **kw):
-    """An engine ready to time. With `shared`, it reuses that engine's runner (compiled steps,
-    KV pool): static and continuous run identical executables, and a runner warmed on every
-    bucket needs no second warm-up (a workload warm-up still runs: schedules differ)."""
-    engine = jaxbatch_engine(loaded, batching, slots, model_len,
-                             runner=shared.runner if shared is not None else None, **kw)
-    if shared is None or mode == "workload":
-        warm_jaxbatch(engine, requests, mode)
     return engine
 
 

@@ -52,8 +52,7 @@ class LoRA(ABBenchmark):
         return random_model(args.model, dtype=args.dtype)
 
     def bench(self, loaded, args) -> dict:
-        from jaxbatch import LoRARequest, SamplingParams
-        from jaxbatch.engine.llm_engine import LLMEngine
+        from jaxbatch import LLMEngine, LoRARequest, SamplingParams
         root, adapters = tempfile.mkdtemp(prefix="jaxbatch-lora-bench-"), []
         for i in range(args.max_loras):
             write_random_adapter(os.path.join(root, str(i)), loaded.config, args.rank, seed=i)
@@ -76,9 +75,8 @@ class LoRA(ABBenchmark):
             return {"decode_step_ms": full_decode_step_ms(drive(engine, requests)["steps"], rows)}
         results = {rows: compare(cases, args.rounds, lambda case, _: measure(case, rows),
                                  keep=("decode_step_ms",)) for rows in args.rows}
-        return {"compilations_after_warmup": [e.stats()["num_compilations_after_warmup"]
-                                              for e in (plain, lora)],
-                "cases": list(cases), "results": results}
+        return {"cases": list(cases), "results": results, "compilations_after_warmup": [
+            e.stats()["num_compilations_after_warmup"] for e in (plain, lora)]}
 
     def markdown(self, report) -> str:
         results = report["results"]

@@ -66,11 +66,10 @@ def machine_info(with_jax: bool = True) -> dict:
     return info
 
 
-def default_price_per_hour(info: dict | None = None) -> tuple[float | None, str]:
-    """(USD per hour, its source) for the machine `info` describes (default: this one): on a
-    CPU the vendor's AWS on-demand price per vCPU times the cores this process may use; on an
-    accelerator none is assumed (prices differ by provider and commitment by several times)."""
-    info = info or machine_info(with_jax=False)
+def default_price_per_hour(info: dict) -> tuple[float | None, str]:
+    """(USD per hour, its source) for the machine `info` describes: on a CPU the vendor's AWS
+    on-demand price per vCPU times the cores this process may use; on an accelerator none is
+    assumed (prices differ by provider and commitment by several times)."""
     if (backend := info.get("jax_backend", "cpu")) != "cpu":
         return None, f"no list price assumed for {info.get('device', backend)}: " \
                      "pass --price-per-hour"
@@ -81,7 +80,6 @@ def default_price_per_hour(info: dict | None = None) -> tuple[float | None, str]
 
 
 def add_price_argument(ap) -> None:
-    """--price-per-hour, with the default price stated in --help."""
     price, source = default_price_per_hour({"cpu_model": cpu_model(), "cpu_count": cpu_count()})
     ap.add_argument("--price-per-hour", type=float, default=None,
                     help="USD per hour of this machine, for the cost per million output tokens "

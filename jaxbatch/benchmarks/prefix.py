@@ -12,7 +12,7 @@ import numpy as np
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.harness import drive, run_jaxbatch, summarize
-from jaxbatch.benchmarks.report import table
+from jaxbatch.benchmarks.report import fmt, table
 from jaxbatch.benchmarks.workloads import (DEFAULT_PROMPTS, SYSTEM_PROMPT, Request, chat_ids,
                                            encode_prompts, lognormal_lengths, load_prompts,
                                            poisson_arrivals)
@@ -21,6 +21,7 @@ FOLLOW_UPS = ["Can you say that in fewer words?", "What would you pick for a beg
               "And if the weather turns bad?", "How much would that cost roughly?",
               "Is there anything I should avoid?"]
 WORKLOADS = ("shared_system", "multi_turn", "no_sharing")
+RATIOS = ("ttft_mean_ms", "ttft_median_ms", "output_tokens_per_s")     # on / off, per workload
 
 
 def shared_system_requests(tokenizer, questions, n, rate, output_len, seed) -> list[Request]:
@@ -77,7 +78,7 @@ class Prefix(ABBenchmark):
                         help="compile every bucket first (--no-warmup: a quick smoke run)")
 
     def bench(self, loaded, args) -> dict:
-        from jaxbatch.engine.llm_engine import LLMEngine
+        from jaxbatch import LLMEngine
         tokenizer, entries = loaded.tokenizer, load_prompts(args.prompts)
         questions = [e["text"] for e in entries if e["kind"] == "short"]
         common = dict(loaded=loaded, max_num_seqs=args.slots, max_model_len=args.max_model_len,
@@ -108,8 +109,7 @@ class Prefix(ABBenchmark):
                   "warmup_seconds": on.warmup_seconds}
         for w in WORKLOADS:
             report[w] = compare(engines, args.rounds, lambda name, _, w=w: measure(w, name),
-                                same_outputs=w == "multi_turn", base="off",
-                                keep=("ttft_mean_ms", "ttft_median_ms", "output_tokens_per_s"))
+                                same_outputs=w == "multi_turn", base="off", keep=RATIOS)
         report["shared_system"]["prompt_tokens_mean"] = float(np.mean(
             [len(r.prompt_ids) for r in shared]))
         return report
@@ -122,9 +122,7 @@ class Prefix(ABBenchmark):
                 rows.append([w, name, f"{r['ttft_mean_ms']:.0f}", f"{r['ttft_median_ms']:.0f}",
                              *tok_s_cells(r["output_tokens_per_s"], price), f"{r['hit_rate']:.2f}"])
             ratio = report[w]["ratio"]["on"]
-            rows.append([w, "on/off", f"{ratio['ttft_mean_ms']:.2f}",
-                         f"{ratio['ttft_median_ms']:.2f}", f"{ratio['output_tokens_per_s']:.2f}",
-                         "", ""])
+            rows.append([w, "on/off", *(fmt(ratio[k], 2) for k in RATIOS), "", ""])
         return (table(["workload", "cache", "TTFT mean ms", "TTFT median ms", "output tok/s",
                        "$ / M out tok", "hit rate"], rows)
                 + f"\n\nmulti_turn outputs equal on/off: {report['multi_turn']['outputs_equal']}")

@@ -10,17 +10,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch import LLMEngine, SamplingParams
 from jaxbatch.benchmarks.ab import ABBenchmark, compare, full_decode_step_ms, tok_s_cells
 from jaxbatch.benchmarks.base import add_flags
 from jaxbatch.benchmarks.harness import drive
-from jaxbatch.benchmarks.report import table
+from jaxbatch.benchmarks.report import fmt, table
+from jaxbatch.worker.kv_cache import blocks_for_budget, bytes_per_block
 
 BLOCK_SIZE = 16
 VARIANTS = ("f32_kv", "int8_kv", "int8_weights", "int8_both")
 
 
 def capacity(cfg, budget, context):
-    from jaxbatch.worker.kv_cache import blocks_for_budget, bytes_per_block
     pages, rows = -(-context // BLOCK_SIZE), {}
     for name, dtype, kv in (("float32", jnp.float32, "auto"), ("bfloat16", jnp.bfloat16, "auto"),
                             ("int8", jnp.float32, "int8")):
@@ -49,9 +50,6 @@ class Quant(ABBenchmark):
         ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
 
     def bench(self, loaded, args) -> dict:
-        from jaxbatch import SamplingParams
-        from jaxbatch.engine.llm_engine import LLMEngine
-        from jaxbatch.worker.kv_cache import bytes_per_block
         cfg, pages = loaded.config, -(-args.context // BLOCK_SIZE)
         budget = (args.base_seqs * pages + 1) * bytes_per_block(cfg, BLOCK_SIZE, jnp.float32)
         cap = capacity(cfg, budget, args.context)
@@ -79,7 +77,7 @@ class Quant(ABBenchmark):
         runs = report["runs"]
         rows = [[name, r["max_num_seqs"], *tok_s_cells(r["output_tokens_per_s"], report["price"]),
                  f"{runs['ratio'][name]['output_tokens_per_s']:.2f}",
-                 "n/a" if r["decode_step_ms_median"] is None else f"{r['decode_step_ms_median']:.1f}",
+                 fmt(r["decode_step_ms_median"]),
                  f"{r['seconds']:.1f}"] for name, r in runs.items() if name != "ratio"]
         lines.append(table(["variant", "slots", "output tok/s", "$ / M out tok",
                             f"vs {next(iter(runs))}", "full-batch decode step ms", "wall s"], rows))

@@ -14,20 +14,16 @@ from jaxbatch.model.loader import LoadedModel
 # Real shapes: SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B; "tiny" is for CPU dry runs and tests.
 MODEL_SHAPES = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
-                        tie_word_embeddings=True),
-    "small": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                         rope_theta=100000.0, tie_word_embeddings=True,
-                         max_position_embeddings=8192),
+                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True),
+    "small": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
     "1B": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                       num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                      rope_theta=500000.0, tie_word_embeddings=True,
-                      max_position_embeddings=8192),
+                      rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=8192),
     "8B": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                      rope_theta=500000.0, tie_word_embeddings=False,
-                      max_position_embeddings=8192),
+                      rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192),
 }
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 

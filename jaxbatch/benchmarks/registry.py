@@ -56,4 +56,3 @@ def dispatch(argv, prog: str, names: dict[str, str], module_of, footer=FOOTER) -
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     return dispatch(argv, "jaxbatch bench", BENCHMARKS, lambda name: f"jaxbatch.benchmarks.{name}")
-

@@ -30,7 +30,6 @@ def trio(s: dict, digits: int = 0) -> str:
 
 
 def table(head: list[str], rows: list[list]) -> str:
-    """A markdown table; cells are str()-ed as they are."""
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
@@ -57,8 +56,7 @@ def price_line(price: dict) -> str:
 
 
 def to_json(obj):
-    """json.dumps default: what has its own `to_json()`, numpy scalars and arrays,
-    dataclasses; anything else as str."""
+    """json.dumps default: an object's own `to_json()`, numpy values, dataclasses, else str."""
     if hasattr(obj, "to_json"):
         return obj.to_json()
     if isinstance(obj, (np.generic, np.ndarray)):
@@ -75,12 +73,9 @@ def write_json(path: Path, report: dict) -> Path:
     return path
 
 
-def write_report(out_dir, name: str, report: dict, md: str | None = None) -> list[Path]:
-    """<out_dir>/<name>.json and, given the markdown, <out_dir>/<name>.md."""
-    paths = [write_json(Path(out_dir) / f"{name}.json", report)]
-    if md is not None:
-        paths.append(Path(out_dir) / f"{name}.md")
-        paths[-1].write_text(md + "\n")
+def write_report(out_dir, name: str, report: dict, md: str) -> list[Path]:
+    paths = [write_json(Path(out_dir) / f"{name}.json", report), Path(out_dir) / f"{name}.md"]
+    paths[1].write_text(md + "\n")
     return paths
 
 

@@ -8,23 +8,25 @@ rate to the matmuls'; a prefill chunk's: its FLOPs / GEMM peak. Decode: `rows` r
 lockstep, every length in (ctx/2, ctx]; --steps rounds, each timing one step without
 host/device overlap, then consecutive steps with it; medians. Prefill: one request's one step.
 
-    jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]
-"""
+    jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]"""
 from __future__ import annotations
 
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch import LLMEngine, SamplingParams
 from jaxbatch.benchmarks.base import Benchmark, add_flags
+from jaxbatch.benchmarks.harness import drive
 from jaxbatch.benchmarks.machine import cpu_count
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table
 
 
 def _best_seconds(fn, *args, reps: int = 10) -> float:
-    import jax
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(reps):
@@ -37,8 +39,6 @@ def _best_seconds(fn, *args, reps: int = 10) -> float:
 def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 10) -> float:
     """Bytes per second of a pass that reads a float32 array and writes it back in place (the
     input donated: a fresh output buffer would add first-touch page faults to the time)."""
-    import jax
-    import jax.numpy as jnp
     step = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     x = jax.block_until_ready(step(jnp.ones(nbytes // 4, jnp.float32)))
     best = float("inf")
@@ -69,8 +69,6 @@ def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
     """FLOP/s of an n^3 `dtype` x `dtype` -> f32 matmul: the fastest of XLA's dot and the
     seam's forms that run here (our packed GEMM on AVX512, and on AMX tiles where the CPU has
     them), so the floor is the fastest a step could take; for w8a8, the seam's int8 forms'."""
-    import jax
-    import jax.numpy as jnp
     from cpu_kernels import packed_gemm, w8a8_gemm
     from jaxbatch.worker.kernel_forms import (AmxPacked, AmxPackedW8A8, OutInW8A8, Packed,
                                               PackedW8A8)
@@ -93,7 +91,6 @@ def gemm_peak(dtype="bfloat16", n: int = 2048, quantization=None) -> float:
 def model_bytes(params) -> int:
     """The weight bytes a decode step reads: every leaf, but not a tied embedding table beside
     its head's packed copy (`tied_head`): the step gathers a few rows of it."""
-    import jax
     skip = "embed" if "tied_head" in params else None
     return sum(x.nbytes for key, value in params.items() if key != skip
                for x in jax.tree.leaves(value))
@@ -117,21 +114,18 @@ def decode_flops(cfg, rows: int) -> int:
     return 2 * (matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size) * rows
 
 
-def steady_decode_engine(loaded, slots, ctx, rounds, seed, backend="auto", **options):
+def steady_decode_engine(loaded, slots, ctx, rounds, seed, **options):
     """An engine with `slots` requests that will decode in lockstep for rounds + 2 steps, every
     length inside (ctx/2, ctx], every prefill in the first step; no host/device overlap, so a
     step is timed whole. `options`: more engine options (quantization, cpu_gemm)."""
-    from jaxbatch import SamplingParams
-    from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=slots, max_model_len=ctx,
                        num_blocks=slots * (ctx // 16) + 1, prefill_chunk_size=ctx,
                        max_num_batched_tokens=slots * ctx + slots, warmup=False,
-                       attention_backend=backend, async_scheduling=False, **options)
-    rng = np.random.default_rng(seed)
+                       async_scheduling=False, **options)
+    rng, vocab = np.random.default_rng(seed), engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 3, ignore_eos=True)
     for i in range(slots):
-        engine.add_request(f"r{i}", rng.integers(0, engine.model_config.vocab_size,
-                                                 ctx - (rounds + 3)).tolist(), params)
+        engine.add_request(f"r{i}", rng.integers(0, vocab, ctx - (rounds + 3)).tolist(), params)
     return engine
 
 
@@ -173,18 +167,16 @@ def decode_rows(loaded, rows: int, ctx: int, steps: int, bandwidth: float, peak:
 
 
 def overlapped_period(engine, rows: int, steps: int) -> float:
-    """Seconds per step of `steps` consecutive steps with host/device overlap on (each `step()`
-    dispatches the next and reads the previous): the period at which a running engine decodes.
-    The first call (dispatch only) is not timed."""
+    """Seconds per step with host/device overlap on (each `step()` dispatches the next step and
+    reads the previous): a running engine's decode period; the first call only dispatches."""
     engine.async_scheduling = True
     engine.step()
     return timed_steps(engine, rows, steps)
 
 
 def timed_steps(engine, rows: int, steps: int) -> float:
-    """Seconds per step of `steps` consecutive `step()` calls, each of which must have
-    dispatched a decode step of all `rows` sequences: a timed step of fewer rows would be a
-    smaller step than the one named."""
+    """Seconds per step of `steps` `step()` calls, each of which must dispatch a decode step of
+    all `rows` sequences: a step of fewer rows would be a smaller step than the one named."""
     first, start = len(engine.step_log), time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -196,21 +188,14 @@ def timed_steps(engine, rows: int, steps: int) -> float:
 
 
 def prefill_chunk(loaded, tokens: int, peak: float, **options) -> dict:
-    from jaxbatch import SamplingParams
-    from jaxbatch.engine.llm_engine import LLMEngine
     engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
                        prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
                        enable_prefix_caching=False, **options)
-    rng, times = np.random.default_rng(0), []
-    for i in range(4):
-        engine.add_request(f"p{i}", rng.integers(3, engine.model_config.vocab_size,
-                                                 tokens).tolist(),
-                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        while engine.has_unfinished_requests():
-            engine.step()
+    rng, vocab = np.random.default_rng(0), engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # One request at a time, whole in one step: that step's seconds (drive's first step entry).
+    times = [drive(engine, [(rng.integers(3, vocab, tokens).tolist(), params)])["steps"][0][0]
+             for _ in range(4)]
     step = min(times[1:])                              # the first one compiled
     flops = 2 * matmul_params(engine.model_config) * tokens
     return {"tokens": tokens, "step_ms": 1e3 * step, "gflop": flops / 1e9,
@@ -266,9 +251,8 @@ class Roofline(Benchmark):
               f" {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
         options = {"quantization": args.quantization, "cpu_gemm": args.cpu_gemm}
         return {"model": loaded.source, "weights": args.quantization or str(dtype),
-                "cpu_gemm": args.cpu_gemm,
-                "copy_bandwidth_bytes_s": bandwidth, "read_bandwidth_bytes_s": reads,
-                "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype),
+                "cpu_gemm": args.cpu_gemm, "copy_bandwidth_bytes_s": bandwidth,
+                "read_bandwidth_bytes_s": reads, "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype),
                 "decode": [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak,
                                        reads, **options) for rows in args.rows],
                 "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, **options)}

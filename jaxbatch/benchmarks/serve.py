@@ -14,8 +14,7 @@ Metrics as vLLM's: TTFT = first chunk with text - sent; E2EL = last byte - sent;
 goodput = requests meeting every --goodput SLO per second. Output: <out>/bench_serve.json, .md
 and .png (TTFT and TPOT against rate). Warm-up (untimed, per target): by default the whole
 workload at once, so a lazily compiling server compiles there (and a prefix cache holds every
-prompt for the timed runs: turn it off on the server to measure cold prompts).
-"""
+prompt for the timed runs: turn it off on the server to measure cold prompts)."""
 from __future__ import annotations
 
 import argparse
@@ -27,15 +26,14 @@ import json
 import math
 from pathlib import Path
 
-from jaxbatch.benchmarks.base import Benchmark
+from jaxbatch.benchmarks.base import Benchmark, add_flags
 from jaxbatch.benchmarks.report import cost_cell, fmt, pyplot, save_png, table, trio
 from jaxbatch.benchmarks.serve_client import normalize_base, run_load, warm_up
 from jaxbatch.benchmarks.workloads import add_workload_flags, serve_workload
 
 
 def rate_label(rate: float, conc) -> str:
-    label = "inf" if math.isinf(rate) else f"{rate:g}"
-    return label + (f" (c={conc})" if conc else "")
+    return f"{rate:g}" + (f" (c={conc})" if conc else "")       # inf is "inf"
 
 
 def markdown(report: dict, notes=()) -> str:
@@ -118,12 +116,12 @@ def bench_target(name, base, args, workload, report, between=None):
                                        goodput=args.goodput, **options,
                                        health_interval=args.health_interval or None))
             s = out["summary"]
+            errors = f"; errors: {s['errors']}" if s["failed"] else ""
             print(f"{label}: {s['completed']}/{s['num_requests']} done, "
                   f"{fmt(s['output_tokens_per_s'])} out tok/s, TTFT median "
                   f"{fmt(s['ttft']['median_ms'], 0)} ms, TPOT median "
                   f"{fmt(s['tpot']['median_ms'], 0)} ms, /health p99 "
-                  f"{fmt(s['health']['p99_ms'])} ms" + (f"; errors: {s['errors']}" if s["failed"]
-                                                         else ""), flush=True)
+                  f"{fmt(s['health']['p99_ms'])} ms{errors}", flush=True)
             report["runs"].append({"target": name, "base_url": base, "round": round_, **out})
         if between is not None:
             between()
@@ -131,8 +129,7 @@ def bench_target(name, base, args, workload, report, between=None):
 
 class Serve(Benchmark):
     """The servers given with --target; a subclass (the lab's serve-launch) may start its own
-    (`servers`), run something after every round (`between`) and add lines to the report
-    (`notes`)."""
+    (`servers`), run something after each round (`between`) and add report lines (`notes`)."""
     name, model_free, out = "serve", True, "bench_out/serve"
     need_target = True
 
@@ -146,22 +143,19 @@ class Serve(Benchmark):
         ap.add_argument("--api", choices=("chat", "completions"), default="chat")
         ap.add_argument("--model", default=None, help="model name in requests (default: /v1/models)")
         add_workload_flags(ap)
-        ap.add_argument("--goodput", nargs="+", type=goodput_slo, default=None,
-                        metavar="KEY:MS",
+        ap.add_argument("--goodput", nargs="+", type=goodput_slo, default=None, metavar="KEY:MS",
                         help="SLOs for goodput, e.g. ttft:2000 tpot:500 (also e2el:MS)")
-        ap.add_argument("--health-interval", type=float, default=0.1,
-                        help="seconds between /health polls during a timed run (0: off)")
         ap.add_argument("--warmup", choices=("none", "requests", "workload"), default="workload",
                         help="untimed, per target, before its runs: nothing, --num-warmups "
                              "requests, or the whole workload at once (default)")
-        ap.add_argument("--num-warmups", type=int, default=2)
         ap.add_argument("--max-tokens-field", default=None,
                         help="request field for the output length (default: chat "
                              "max_completion_tokens, completions max_tokens)")
         ap.add_argument("--extra-body", type=json.loads, default="{}",
                         help="JSON merged into every request body")
         ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-        ap.add_argument("--rounds", type=int, default=1, help="repeat each target's runs")
+        add_flags(ap, num_warmups=2, rounds=(1, "repeat each target's runs"), health_interval=(
+            0.1, "seconds between /health polls during a timed run (0: off)"))
 
     def check(self, args):
         if args.rounds < 1:
@@ -185,12 +179,10 @@ class Serve(Benchmark):
         args.goodput = dict(args.goodput) if args.goodput else None
         workload = serve_workload(args)
         # The price defaults to the client's machine: a server elsewhere needs --price-per-hour.
-        report = {"workload": [dataclasses.asdict(r) for r in workload], "servers": {},
-                  "runs": []}
+        report = {"workload": [dataclasses.asdict(r) for r in workload], "servers": {}, "runs": []}
         given = [(t.partition("=")[0], normalize_base(t.partition("=")[2])) for t in args.target]
         for name, base in itertools.chain(given, self.servers(args, report)):
-            bench_target(name, base, args, workload, report,
-                         lambda: self.between(args, workload))
+            bench_target(name, base, args, workload, report, lambda: self.between(args, workload))
         report["notes"] = self.notes(args, report, workload)
         return report
 

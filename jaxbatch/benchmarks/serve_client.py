@@ -1,8 +1,7 @@
 """The load generator's client side (`jaxbatch bench serve`): one streaming request, the
 /health poller, one run of a workload against one server at one rate, and the figures of
 `vllm bench serve` over its results. Times are read from `clock` relative to the run's start,
-so a test can drive a run on a fake clock through an in-process httpx `transport`.
-"""
+so a test can drive a run on a fake clock through an in-process httpx `transport`."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +11,7 @@ import gc
 import json
 import math
 import time
+import types
 
 import numpy as np
 
@@ -55,14 +55,14 @@ class RequestResult:
 
 def request_body(api: str, model: str, req: ServeRequest, max_tokens_field: str | None,
                  extra: dict) -> dict:
+    chat = api == "chat"
+    field = max_tokens_field or ("max_completion_tokens" if chat else "max_tokens")
     body = {"model": model, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if api == "chat":
+            "stream_options": {"include_usage": True}, field: req.max_tokens}
+    if chat:
         body["messages"] = [{"role": "user", "content": req.text}]
     else:
         body["prompt"] = req.text
-    default_field = "max_completion_tokens" if api == "chat" else "max_tokens"
-    body[max_tokens_field or default_field] = req.max_tokens
     return {**body, **extra}
 
 
@@ -71,8 +71,7 @@ def _chunk_text(api: str, choice: dict) -> str:
         delta = choice.get("delta") or {}
         # A reasoning model's thought counts as output: `reasoning` (jaxbatch, vLLM), or
         # `reasoning_content` (older vLLM, SGLang).
-        return ((delta.get("content") or "") + (delta.get("reasoning") or "")
-                + (delta.get("reasoning_content") or ""))
+        return "".join(delta.get(k) or "" for k in ("content", "reasoning", "reasoning_content"))
     return choice.get("text") or ""
 
 
@@ -92,14 +91,12 @@ async def _read_stream(resp, api: str, result: RequestResult, now) -> str | None
         if "error" in msg:
             return f"stream error: {json.dumps(msg['error'])[:300]}"
         for choice in msg.get("choices") or []:
-            text = _chunk_text(api, choice)
-            if text:
+            if text := _chunk_text(api, choice):
                 result.chunk_times.append(arrived)
                 result.text_chars += len(text)
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
-        usage = msg.get("usage")
-        if usage:
+        if usage := msg.get("usage"):
             result.prompt_tokens = usage.get("prompt_tokens")
             result.output_tokens = usage.get("completion_tokens")
     return "stream ended without data: [DONE]"
@@ -129,14 +126,12 @@ async def send_request(client, base: str, api: str, body: dict, result: RequestR
 
 async def poll_health(client, base: str, interval: float, stop: asyncio.Event, t0: float,
                       samples: list, clock=time.perf_counter) -> None:
-    """GET /health every `interval` s until `stop`; (offset s on `clock`, latency s, status or
-    error). The latency is always wall time: it is what an orchestrator's probe would see."""
-    while not stop.is_set():
-        offset = clock() - t0
-        start = time.perf_counter()
+    """GET /health every `interval` s (None or 0: never) until `stop`; (offset s on `clock`,
+    latency s, status or error), the latency on wall time: what an orchestrator's probe sees."""
+    while interval and not stop.is_set():
+        offset, start = clock() - t0, time.perf_counter()
         try:
-            resp = await client.get(base + "/health", timeout=10.0)
-            status = resp.status_code
+            status = (await client.get(base + "/health", timeout=10.0)).status_code
         except Exception as e:
             status = type(e).__name__
         end = time.perf_counter()
@@ -157,11 +152,10 @@ def health_summary(samples) -> dict:
 def _client(limit: int | None = None, api_key: str | None = None, transport=None):
     import httpx
     # trust_env=False: a proxy from the environment must not sit between us and 127.0.0.1.
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=limit,
-                                                 max_keepalive_connections=limit),
-                             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-                             transport=transport)
+                             limits=limits, transport=transport,
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
 
 class AiohttpStreams:
@@ -188,19 +182,13 @@ class AiohttpStreams:
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str, json=None):
         async with self.session.request(method, url, json=json) as resp:
-            yield _Streamed(resp)
+            yield types.SimpleNamespace(status_code=resp.status, aread=resp.read,
+                                        aiter_lines=lambda: _lines(resp))
 
 
-class _Streamed:
-    def __init__(self, resp):
-        self.resp, self.status_code = resp, resp.status
-
-    async def aread(self) -> bytes:
-        return await self.resp.read()
-
-    async def aiter_lines(self):
-        async for line in self.resp.content:
-            yield line.rstrip(b"\r\n").decode("utf-8", "replace")
+async def _lines(resp):
+    async for line in resp.content:
+        yield line.rstrip(b"\r\n").decode("utf-8", "replace")
 
 
 def _stream_client(api_key: str | None, transport):
@@ -228,12 +216,10 @@ def _heap_frozen():
 async def run_load(base: str, workload, *, rate: float = math.inf, max_concurrency=None,
                    api: str = "chat", model: str | None = None, goodput=None,
                    health_interval: float | None = 0.1, max_tokens_field=None,
-                   extra_body=None, api_key=None, clock=time.perf_counter,
-                   transport=None) -> dict:
+                   extra_body=None, api_key=None, clock=time.perf_counter, transport=None) -> dict:
     """Sends the workload to one server at one rate; returns the summary and every request.
     `clock` and `transport` are seams for tests (module doc); /health is polled on real time."""
-    base = normalize_base(base)
-    extra_body = extra_body or {}
+    base, extra_body = normalize_base(base), extra_body or {}
     with _heap_frozen():
         async with _stream_client(api_key, transport) as client, \
                 _client(4, api_key, transport) as control:
@@ -260,15 +246,12 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
                         in_flight -= 1
 
             t0 = clock()
-            poller = None
-            if health_interval:
-                poller = asyncio.create_task(poll_health(control, base, health_interval, stop,
-                                                         t0, samples, clock))
+            poller = asyncio.create_task(poll_health(control, base, health_interval, stop, t0,
+                                                     samples, clock))
             results = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets)))
             duration = clock() - t0
             stop.set()
-            if poller:
-                await poller
+            await poller
     summary = summarize_results(results, duration, goodput)
     summary.update(model=model, api=api, request_rate=rate, max_concurrency=max_concurrency,
                    peak_concurrent_requests=peak_in_flight, health=health_summary(samples))
@@ -280,27 +263,25 @@ async def run_load(base: str, workload, *, rate: float = math.inf, max_concurren
 
 def summarize_results(results, duration: float, goodput=None) -> dict:
     """vllm bench serve's figures over the completed requests."""
-    done = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
+    done, failed = [r for r in results if r.ok], [r for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens or 0 for r in done)
     end = max((r.end for r in done), default=duration)
     per_s = lambda n: n / end if end > 0 else None      # noqa: E731
-    summary = {
-        "num_requests": len(results), "completed": len(done), "failed": len(failed),
-        "errors": sorted({r.error for r in failed})[:5], "duration_s": end,
-        "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "expected_output_tokens": sum(r.max_tokens for r in done),
-        "requests_with_other_output_length": sum(r.output_tokens != r.max_tokens for r in done),
-        "requests_without_usage": sum(r.usage_missing for r in done),
-        "request_throughput": per_s(len(done)), "output_tokens_per_s": per_s(out_tokens),
-        "total_tokens_per_s": per_s(in_tokens + out_tokens),
-        "ttft": stats_ms([r.ttft for r in done]),
-        "tpot": stats_ms([r.tpot for r in done if r.tpot is not None]),
-        "itl": stats_ms([x for r in done for x in r.itls]),
-        "e2el": stats_ms([r.e2el for r in done]),
-        "max_send_lag_ms": 1e3 * max((r.sent - r.scheduled for r in results), default=0.0),
-    }
+    summary = {"num_requests": len(results), "completed": len(done), "failed": len(failed),
+               "errors": sorted({r.error for r in failed})[:5], "duration_s": end,
+               "input_tokens": in_tokens, "output_tokens": out_tokens,
+               "expected_output_tokens": sum(r.max_tokens for r in done),
+               "requests_with_other_output_length": sum(r.output_tokens != r.max_tokens
+                                                        for r in done),
+               "requests_without_usage": sum(r.usage_missing for r in done),
+               "request_throughput": per_s(len(done)), "output_tokens_per_s": per_s(out_tokens),
+               "total_tokens_per_s": per_s(in_tokens + out_tokens),
+               "ttft": stats_ms([r.ttft for r in done]),
+               "tpot": stats_ms([r.tpot for r in done if r.tpot is not None]),
+               "itl": stats_ms([x for r in done for x in r.itls]),
+               "e2el": stats_ms([r.e2el for r in done]),
+               "max_send_lag_ms": 1e3 * max((r.sent - r.scheduled for r in results), default=0.0)}
     if goodput:
         good = sum(_meets(r, goodput) for r in done)
         summary.update(goodput_slo_ms=dict(goodput), good_requests=good, goodput=per_s(good))
@@ -313,8 +294,7 @@ def _meets(r: RequestResult, slo: dict) -> bool:
 
 
 def normalize_base(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+    return url.rstrip("/").removesuffix("/v1")
 
 
 async def served_model(client, base: str) -> str:

@@ -47,8 +47,7 @@ class Spec(ABBenchmark):
         ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
 
     def bench(self, loaded, args) -> dict:
-        from jaxbatch import SamplingParams
-        from jaxbatch.engine.llm_engine import LLMEngine
+        from jaxbatch import LLMEngine, SamplingParams
         spec = {"method": "ngram", "num_speculative_tokens": args.k,
                 "max_batch_size": args.max_batch_size}
         on = LLMEngine(loaded=loaded, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
@@ -56,18 +55,16 @@ class Spec(ABBenchmark):
                                     max_model_len=2048), "on": on}
         default = encode_prompts(load_prompts(args.prompts), loaded.tokenizer)
         lens = lognormal_lengths(np.random.default_rng(args.seed), len(default), 48, 0.7, 8, 160)
-        workloads = {"repetitive": (repetitive_prompts(loaded.tokenizer), None),
+        workloads = {"repetitive": (repetitive_prompts(loaded.tokenizer), [args.repetitive_output]),
                      "default": (default, lens)}
         report = {"speculative_config": spec}
         for name, (prompts, lens) in workloads.items():
+            params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in lens]
             for conc in args.concurrency:
                 n = max(conc, args.requests_per_slot * conc)
-                requests = [(prompts[i % len(prompts)], SamplingParams(
-                    temperature=0, ignore_eos=True, max_tokens=args.repetitive_output
-                    if lens is None else lens[i % len(lens)])) for i in range(n)]
-                entry = compare(engines, args.rounds,
-                                lambda v, _: closed_loop(engines[v], requests, conc),
-                                same_outputs=True, keep=("output_tokens_per_s",))
+                requests = [(prompts[i % len(prompts)], params[i % len(params)]) for i in range(n)]
+                entry = compare(engines, args.rounds, same_outputs=True,
+                                measure=lambda v, _: closed_loop(engines[v], requests, conc))
                 entry["speedup"] = entry["ratio"]["on"]["output_tokens_per_s"]
                 report[f"{name}@{conc}"] = {**entry, "requests": n}
                 print(f"{name}@{conc}: {entry['speedup']:.2f}x", flush=True)

@@ -14,8 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxbatch.benchmarks.base import Benchmark
-from jaxbatch.benchmarks.report import table
+from jaxbatch.benchmarks.base import Benchmark, add_flags
+from jaxbatch.benchmarks.report import fmt, table
 
 # The directory holding the jaxbatch package: the children import this very copy of it.
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,14 +59,13 @@ class Startup(Benchmark):
     name = "startup"
 
     def add_arguments(self, ap) -> None:
-        ap.add_argument("--max-num-seqs", type=int, default=16)
+        add_flags(ap, max_num_seqs=16, repeats=(1, "cold and warm starts each this many times "
+                                                   "(timings on a shared machine are noisy; CPU "
+                                                   "seconds are reported beside wall time)"))
         ap.add_argument("--max-model-len", type=int, default=None)
         ap.add_argument("--skip-serial", action="store_true", help="skip the one-thread cold compile")
         ap.add_argument("--traced", action="store_true",
                         help="also start from JAX's cache without the stored lowerings")
-        ap.add_argument("--repeats", type=int, default=1,
-                        help="cold and warm starts each this many times (timings on a shared "
-                             "machine are noisy; CPU seconds are reported beside wall time)")
         ap.add_argument("--unified-step", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine option (off: no mixed decode + prefill executables)")
 
@@ -102,10 +101,10 @@ class Startup(Benchmark):
             # Per executable: CPU seconds of the warm-up (lowering, compiling and the first
             # runs of `warmup_runs`, every thread).
             per = r["warmup_cpu_s"] / max(1, w["compiled"])
-            rows.append([mode, f"{r['llm_to_first_token_s']:.1f}", f"{r['load_s']:.1f}",
-                         f"{r['warmup_s']:.1f}", f"{r['warmup_cpu_s']:.1f}", w["executables"],
-                         w.get("from_store", 0), f"{w['lower_s']:.1f}", f"{w['compile_s']:.1f}",
-                         f"{w['run_s']:.1f}", f"{per:.2f}", f"{r['loadavg'][0]:.1f}"])
+            rows.append([mode, fmt(r["llm_to_first_token_s"]), fmt(r["load_s"]), fmt(r["warmup_s"]),
+                         fmt(r["warmup_cpu_s"]), w["executables"], w.get("from_store", 0),
+                         fmt(w["lower_s"]), fmt(w["compile_s"]), fmt(w["run_s"]), fmt(per, 2),
+                         fmt(r["loadavg"][0])])
         return table(["start", "LLM() to first token s", "load s", "warm-up s", "warm-up CPU s",
                       "executables", "from store", "lower s", "compile s", "first runs s",
                       "CPU s per executable", "load average"], rows)

@@ -9,8 +9,7 @@ Workloads (seeded; greedy with ignore_eos, so lengths are controlled):
   online   Poisson arrivals at --request-rate: short prompts with long ones among them; the
            short ones' TTFT with chunked prefill vs chunking disabled (the default of `latency`)
 Every engine is warmed up first (jaxbatch: every bucket) and every timed jaxbatch run starts
-from an empty prefix cache; timing is wall clock around the timed part only.
-"""
+from an empty prefix cache; timing is wall clock around the timed part only."""
 from __future__ import annotations
 
 from jaxbatch.benchmarks.harness import (enable_xla_cache, ideal_ratio, pow2_model_len,
@@ -92,78 +91,35 @@ def online_table(online, price: dict) -> str:
 
 def targets(report, goals=None) -> list[dict]:
     """The issue's targets, each with the measured figure and met or missed."""
-    rows = []
-
-    def add(name, value, target, met):
-        rows.append({"target": name, "measured": value, "goal": target,
-                     "status": "met" if met else "missed"})
+    rows = []       # (target, measured, goal, met)
     off = report.get("offline", {})
     s = off.get("summaries", {})
     tps = {k: v["output_tokens_per_s"] for k, v in s.items()}
     if "continuous" in tps and "static" in tps:
         ratio, ideal = tps["continuous"] / tps["static"], off["ideal"]["ideal_ratio"]
         steps = s["static"]["num_steps"] / s["continuous"]["num_steps"]
-        add("continuous / static output tok/s", f"{ratio:.2f} (ideal {ideal:.2f}, 0.9 x ideal "
-            f"= {0.9 * ideal:.2f}; measured step ratio {steps:.2f})",
-            ">= 0.9 x ideal and >= 2.0", ratio >= 0.9 * ideal and ratio >= 2.0)
+        rows.append(("continuous / static output tok/s", f"{ratio:.2f} (ideal {ideal:.2f}, 0.9 x "
+                     f"ideal = {0.9 * ideal:.2f}; measured step ratio {steps:.2f})",
+                     ">= 0.9 x ideal and >= 2.0", ratio >= 0.9 * ideal and ratio >= 2.0))
     for peer, goal in (goals or {}).items():
         if "continuous" in tps and peer in tps:
             r = tps["continuous"] / tps[peer]
-            add(f"continuous / {peer} output tok/s", f"{r:.2f}", f">= {goal}", r >= goal)
+            rows.append((f"continuous / {peer} output tok/s", f"{r:.2f}", f">= {goal}", r >= goal))
     on = report.get("online", {}).get("summaries", {})
     if "chunked" in on and "unchunked" in on:
         c, u = on["chunked"]["short_ttft"]["p99_ms"], on["unchunked"]["short_ttft"]["p99_ms"]
-        add("online p99 TTFT of short requests, chunked vs unchunked",
-            f"{c:.0f} ms vs {u:.0f} ms (max step {on['chunked']['max_step_ms']:.0f} vs "
-            f"{on['unchunked']['max_step_ms']:.0f} ms)", "chunked below unchunked", c < u)
+        rows.append(("online p99 TTFT of short requests, chunked vs unchunked",
+                     f"{c:.0f} ms vs {u:.0f} ms (max step {on['chunked']['max_step_ms']:.0f} vs "
+                     f"{on['unchunked']['max_step_ms']:.0f} ms)", "chunked below unchunked", c < u))
     compiles = {f"{part} {k}": v["compilations_during_timed_run"] for part in ("offline", "online")
                 for k, v in report.get(part, {}).get("summaries", {}).items()
                 if "compilations_during_timed_run" in v}
     if compiles:
-        add("compilations after warm-up", ", ".join(f"{k}: {v}" for k, v in compiles.items()),
-            "0 everywhere", not any(compiles.values()))
-    return rows
-
-
-def plot_all(report, out_dir) -> list[str]:
-    """Slot occupancy and KV blocks per step, latency CDFs."""
-    plt = pyplot()
-    if plt is None:
-        return []
-    files, runs = [], report.get("offline", {}).get("runs", {})
-    slots = report["args"]["max_num_seqs"]
-    if stepped := {k: r for k, r in runs.items() if r.steps}:
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-        for name, run in stepped.items():
-            t = [s[0] for s in run.steps]
-            ax1.step(t, [s[1] / slots for s in run.steps], where="post", label=name)
-            ax2.step(t, [s[2] for s in run.steps], where="post", label=name)
-        ax1.set(ylabel="slot occupancy",
-                title=f"Offline workload, {slots} slots: sequences computed per step")
-        ax2.set(ylabel="KV blocks in use", xlabel="seconds since start")
-        ax1.legend()
-        files.append(save_png(fig, out_dir / "occupancy.png"))
-    if runs:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for name, run in runs.items():
-            done = [t for t in run.traces if t.token_times]
-            cdf(axes[0], [t.token_times[0] - t.arrival for t in done], name)
-            cdf(axes[1], [t.token_times[-1] - t.arrival for t in done], name)
-        for ax, what in zip(axes, ("TTFT (s)", "end-to-end latency (s)")):
-            ax.set(xlabel=what, ylabel="fraction of requests")
-            ax.legend()
-        fig.suptitle("Offline workload: latency CDFs")
-        files.append(save_png(fig, out_dir / "latency_cdf.png"))
-    if online := report.get("online", {}).get("runs", {}):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, run in online.items():
-            cdf(ax, [t.token_times[0] - t.arrival for t in run.traces
-                      if t.kind in SHORT_KINDS and t.token_times], name)
-        ax.set(xlabel="TTFT of short requests (s)", ylabel="fraction of requests",
-               title=f"Online, {report['args']['request_rate']} req/s, long prompts among them")
-        ax.legend()
-        files.append(save_png(fig, out_dir / "online_ttft_cdf.png"))
-    return files
+        measured = ", ".join(f"{k}: {v}" for k, v in compiles.items())
+        rows.append(("compilations after warm-up", measured, "0 everywhere",
+                     not any(compiles.values())))
+    return [{"target": t, "measured": m, "goal": g, "status": "met" if met else "missed"}
+            for t, m, g, met in rows]
 
 
 class Throughput(Benchmark):
@@ -185,9 +141,8 @@ class Throughput(Benchmark):
                   output_median=24.0, output_sigma=1.0, output_min=4, output_max=192, seed=0,
                   request_rate=(1.0, "online arrivals per second"),
                   online_short=(20, "online short requests"),
-                  online_long=(3, "online long prompts among them"),
-                  online_output_median=12.0, online_output_max=48,
-                  online_chunk=(64, "chunked variant's chunk size"),
+                  online_long=(3, "online long prompts among them"), online_output_median=12.0,
+                  online_output_max=48, online_chunk=(64, "chunked variant's chunk size"),
                   online_budget_chunks=(4, "chunked variant's budget: max_num_seqs + this many "
                                            "chunks"))
         ap.add_argument("--warmup", choices=("buckets", "workload"), default="buckets",
@@ -233,7 +188,44 @@ class Throughput(Benchmark):
         return {}
 
     def plots(self, report, out_dir):
-        return plot_all(report, out_dir)
+        """Slot occupancy and KV blocks per step, latency CDFs."""
+        plt = pyplot()
+        if plt is None:
+            return []
+        files, runs = [], report.get("offline", {}).get("runs", {})
+        slots = report["args"]["max_num_seqs"]
+        if stepped := {k: r for k, r in runs.items() if r.steps}:
+            fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+            for name, run in stepped.items():
+                t = [s[0] for s in run.steps]
+                ax1.step(t, [s[1] / slots for s in run.steps], where="post", label=name)
+                ax2.step(t, [s[2] for s in run.steps], where="post", label=name)
+            ax1.set(ylabel="slot occupancy",
+                    title=f"Offline workload, {slots} slots: sequences computed per step")
+            ax2.set(ylabel="KV blocks in use", xlabel="seconds since start")
+            ax1.legend()
+            files.append(save_png(fig, out_dir / "occupancy.png"))
+        if runs:
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for name, run in runs.items():
+                done = [t for t in run.traces if t.token_times]
+                cdf(axes[0], [t.token_times[0] - t.arrival for t in done], name)
+                cdf(axes[1], [t.token_times[-1] - t.arrival for t in done], name)
+            for ax, what in zip(axes, ("TTFT (s)", "end-to-end latency (s)")):
+                ax.set(xlabel=what, ylabel="fraction of requests")
+                ax.legend()
+            fig.suptitle("Offline workload: latency CDFs")
+            files.append(save_png(fig, out_dir / "latency_cdf.png"))
+        if online := report.get("online", {}).get("runs", {}):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for name, run in online.items():
+                cdf(ax, [t.token_times[0] - t.arrival for t in run.traces
+                          if t.kind in SHORT_KINDS and t.token_times], name)
+            ax.set(xlabel="TTFT of short requests (s)", ylabel="fraction of requests",
+                   title=f"Online, {report['args']['request_rate']} req/s, long prompts among them")
+            ax.legend()
+            files.append(save_png(fig, out_dir / "online_ttft_cdf.png"))
+        return files
 
     def markdown(self, report) -> str:
         parts, price = [], report["price"]

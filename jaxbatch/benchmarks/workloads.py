@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import numpy as np
+
+from jaxbatch.benchmarks.base import add_flags
 
 DATA = Path(__file__).resolve().with_name("data")
 DEFAULT_PROMPTS = DATA / "bench_prompts.json"
@@ -94,17 +95,13 @@ def online_requests(prompt_ids, kinds, n_short, n_long, rate, lengths, seed,
 
 def add_workload_flags(ap) -> None:
     """The mixed chat workload's flags, which `serve_workload` reads."""
-    ap.add_argument("--num-prompts", type=int, default=48)
-    for name, default in (("median", 32.0), ("sigma", 1.0), ("min", 8), ("max", 256)):
-        ap.add_argument(f"--output-{name}", type=type(default), default=default)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    add_flags(ap, num_prompts=48, output_median=32.0, output_sigma=1.0, output_min=8,
+              output_max=256, seed=0, prompts=str(DEFAULT_PROMPTS))
 
 
 def serve_workload(args) -> list[ServeRequest]:
-    return make_workload(args.num_prompts, (args.output_median, args.output_sigma,
-                                            args.output_min, args.output_max), args.seed,
-                         args.prompts)
+    lengths = (args.output_median, args.output_sigma, args.output_min, args.output_max)
+    return make_workload(args.num_prompts, lengths, args.seed, args.prompts)
 
 
 def make_workload(num_prompts: int, lengths=(32, 1.0, 8, 256), seed: int = 0,
@@ -123,5 +120,4 @@ def make_workload(num_prompts: int, lengths=(32, 1.0, 8, 256), seed: int = 0,
 
 def arrival_offsets(workload, rate: float) -> list[float]:
     """Send times of a ServeRequest workload at `rate` req/s (inf: all at t=0)."""
-    gaps = [0.0 if math.isinf(rate) else r.gap / rate for r in workload]
-    return list(np.cumsum(gaps))
+    return list(np.cumsum([r.gap / rate for r in workload]))        # gap / inf = 0

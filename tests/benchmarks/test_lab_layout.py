@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxbatch", "cpu_kernels", "pallas_kernels")
 # jaxbatch/benchmarks/ in lines of Python: 6,907 before issue 55, 3,099 after its first pass,
 # 3,066 once every benchmark stood on one base (base.py, ab.py), 2,591 once bench serve read its
-# streams through aiohttp, 2,575 once one driver (harness.drive) ran the A/Bs and the workloads;
-# the issue asks for under ~2,500. A ratchet: lower it as the room shrinks, never raise it.
-LINE_BUDGET = 2575
+# streams through aiohttp, 2,575 once one driver (harness.drive) ran the A/Bs and the workloads,
+# 2,479 once the helpers were said once (issue 55 asked for under ~2,500). A ratchet: lower it
+# as the room shrinks, never raise it.
+LINE_BUDGET = 2479
 
 
 def python_files(*folders):
