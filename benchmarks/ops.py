@@ -3,7 +3,7 @@ around steady decode steps and one prefill chunk, each op named with its shape f
 compiled executable's HLO.
 
     python -m benchmarks ops [--rows 16 64] [--prefill-tokens 256] [--dtype auto]
-                                 [--steps 5] [--top 20] [--random-model SHAPE]
+                                 [--steps 5] [--top 20] [--random-model SHAPE] [--quantization w8a8]
 
 Decode: `rows` requests decoding in lockstep at contexts in (ctx/2, ctx] (roofline's steady
 engine, no overlap); prefill: one chunk of a second request (the first compiled the step).
@@ -69,7 +69,7 @@ def executable_ops(compiled: dict, keys) -> dict[str, tuple[str, str]]:
 def op_class(name: str, shape: str, opcode: str, weight_shapes: set[str]) -> str:
     if "ynn" in opcode or "xnn" in opcode or opcode == "dot" or name.startswith(("ynn", "xnn")):
         return "dot"
-    if "jaxbatch_packed_gemm" in opcode:
+    if "jaxbatch_packed_gemm" in opcode or "jaxbatch_w8a8_gemm" in opcode:
         return "gemm kernel"
     if "jaxbatch_paged_decode" in opcode:
         return "decode kernel"
@@ -160,6 +160,7 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=256, help="0: no prefill")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
     add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/ops")
     args = ap.parse_args(argv)
@@ -170,7 +171,8 @@ def main(argv=None):
 
     report, sections = {"args": vars(args)}, []
     for rows in args.rows:
-        engine = steady_decode_engine(loaded, rows, args.context, args.steps + 2, seed=0)
+        engine = steady_decode_engine(loaded, rows, args.context, args.steps + 2, seed=0,
+                                      quantization=args.quantization)
         engine.step()                                   # the prefills
         engine.step()                                   # the first decode compiles
         prof = profile_step(engine, engine.step, args.steps, args.top)
@@ -180,7 +182,7 @@ def main(argv=None):
         tokens = args.prefill_tokens
         engine = LLMEngine(loaded=loaded, max_num_seqs=4, max_model_len=2 * tokens,
                            prefill_chunk_size=tokens, warmup=False, async_scheduling=False,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, quantization=args.quantization)
         rng = np.random.default_rng(0)
         vocab = engine.model_config.vocab_size
         sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -1,12 +1,11 @@
 """The engine's steps against the physical floor of this machine, measured in the same run.
 
-Probes: copy bandwidth (a jitted in-place pass over 512 MB), read bandwidth (a max over 512 MB,
-one numpy call per core), GEMM peak (a 2048^3 matmul in the weights' dtype, XLA's dot or our
-packed kernel, the faster). A decode step's floor: the larger of (weight + KV bytes) / copy
-bandwidth and its matmul FLOPs / GEMM peak; its sequential floor adds the KV read at the read
-rate to the matmuls'; a prefill chunk's: its FLOPs / GEMM peak. Decode: `rows` requests in
-lockstep, every length in (ctx/2, ctx]; --steps rounds, each timing one step without
-host/device overlap, then consecutive steps with it; medians. Prefill: one request's one step.
+Probes: copy bandwidth (an in-place pass over 512 MB), read bandwidth (a max over 512 MB, a
+numpy call per core), GEMM peak (a 2048^3 matmul, the fastest form here; int8 for w8a8). A
+decode step's floor: the larger of (weight + KV bytes) / copy bandwidth and its matmul FLOPs /
+GEMM peak; its sequential floor adds the KV read at the read rate to the matmuls'; a prefill
+chunk's (one request's one step): its FLOPs / GEMM peak. Decode: `rows` requests in lockstep,
+lengths in (ctx/2, ctx]; --steps rounds of one step without host/device overlap, then with it.
 
     jaxbatch bench roofline [--rows 16 64] [--random-model 1B] [--quantization w8a8]"""
 from __future__ import annotations
@@ -247,12 +246,13 @@ class Roofline(Benchmark):
         dtype = loaded.params["embed"].dtype    # the matmuls' (int8 weights dequantize to it)
         bandwidth, reads = copy_bandwidth(), read_bandwidth()
         peak = gemm_peak(dtype, quantization=args.quantization)
+        gemm = "int8 (w8a8)" if args.quantization == "w8a8" else str(dtype)
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth {reads / 1e9:.1f} GB/s,"
-              f" {dtype} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
+              f" {gemm} GEMM peak {peak / 1e12:.2f} TFLOP/s", flush=True)
         options = {"quantization": args.quantization, "cpu_gemm": args.cpu_gemm}
         return {"model": loaded.source, "weights": args.quantization or str(dtype),
                 "cpu_gemm": args.cpu_gemm, "copy_bandwidth_bytes_s": bandwidth,
-                "read_bandwidth_bytes_s": reads, "gemm_peak_flop_s": peak, "gemm_dtype": str(dtype),
+                "read_bandwidth_bytes_s": reads, "gemm_peak_flop_s": peak, "gemm_dtype": gemm,
                 "decode": [decode_rows(loaded, rows, args.context, args.steps, bandwidth, peak,
                                        reads, **options) for rows in args.rows],
                 "prefill": prefill_chunk(loaded, args.prefill_tokens, peak, **options)}

@@ -288,6 +288,10 @@ def test_roofline_takes_the_gemm_peak_in_the_weights_dtype(monkeypatch, tmp_path
                        "--price-per-hour", "1", "--out", str(tmp_path)])
         report = json.loads((tmp_path / "bench_roofline.json").read_text())
         assert seen[-1] == report["gemm_dtype"] == dtype
+    roofline.main(["--random-model", "tiny", "--rows", "4", "--quantization", "w8a8",
+                   "--price-per-hour", "1", "--out", str(tmp_path)])
+    # w8a8's floor is int8's (gemm_peak's quantization), and the report says so
+    assert json.loads((tmp_path / "bench_roofline.json").read_text())["gemm_dtype"] == "int8 (w8a8)"
 
 
 def test_roofline_hands_the_engines_the_kernel_asked_for(monkeypatch, tmp_path):
