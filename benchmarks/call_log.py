@@ -1,8 +1,8 @@
-"""The memory of the CPU kernels' call log (`cpu_kernels/call_log.h`): each call of a kernel,
+"""The memory of the CPU kernels' call log (`call_log.h` beside this file): each call of a kernel,
 timed on the thread that runs it, for `python -m benchmarks calls`. The log is compiled only
 into an instrumented build: a process that wants it calls `instrument()` before any kernel
 registers, which asks `cpu_kernels.availability.instrument` for libraries built with
--DJAXBATCH_CALL_LOG (a library of their own in the cache) and wired to this log as they load;
+-DJAXBATCH_CALL_LOG and this folder on the include path (a library of their own in the cache) and wired to this log as they load;
 production builds carry no log code. One log per process, owned here and handed to every
 kernel library as it loads (`wire`) while recording is on; off (the default) the libraries
 hold no log and record nothing.
@@ -24,14 +24,17 @@ hold no log and record nothing.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
 from cpu_kernels import availability
 from cpu_kernels.handout import Handout
 
+# An instrumented build's flags: the log compiled in, from call_log.h beside this file.
+FLAGS = ("-DJAXBATCH_CALL_LOG", "-I", os.path.dirname(os.path.abspath(__file__)))
 CAPACITY = 1 << 17          # call_log.h, kMaxRecords
-# call_log.h's Kernel ids, and what each one's three sizes are (call_log.h, Label).
+# The Kernel ids, and what each one's three sizes are (cpu_kernels/call_observer.h, Label).
 KERNELS = {1: "gemm", 2: "decode attention", 3: "prefill attention", 4: "add + norm",
            5: "argmax"}
 SIZES = {"gemm": ("rows", "in", "out"), "decode attention": ("rows", "heads", "head dim"),
@@ -54,7 +57,7 @@ def instrument() -> None:
     global _INSTRUMENTED
     if not _INSTRUMENTED:
         try:
-            availability.instrument(("-DJAXBATCH_CALL_LOG",), wire)
+            availability.instrument(FLAGS, wire)
         except RuntimeError as e:
             raise RuntimeError(f"call_log.instrument(): {e}") from None
     _INSTRUMENTED = True

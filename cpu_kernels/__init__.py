@@ -26,9 +26,9 @@ q.K and p.V per pool element type (a bf16 pool's keys are grouped: pallas_kernel
 KEY_GROUP); pool_dispatch.h how each kernel runs its work on XLA's intra-op threads (and hands
 it to them when called on another thread); kv_prefetch.h (its memory in kv_hints.py) the hint
 channel through which decode attention names the next layer's pages to the GEMMs before it;
-call_log.h (its memory in the lab's benchmarks/call_log.py) each call's kernel, sizes and times
-while `python -m benchmarks calls` records them, in an instrumented build only; checks.h what every handler checks before it
-runs; handout.py how that memory of ours reaches each library.
+call_observer.h what each call says about itself, recorded in an instrumented build only (the
+lab's `python -m benchmarks calls`); checks.h what every handler checks before it runs;
+handout.py how that memory of ours reaches each library.
 
 No switch is read from the environment (only the toolchain, CXX, and the cache's place,
 build.py): the engine says how the kernels are used, from its config.

@@ -113,10 +113,13 @@ def _source_key(source_name: str, flags: tuple[str, ...], cxx: str) -> str:
     import jaxlib
     with open(os.path.join(HERE, source_name), "rb") as f:
         source = f.read()
-    # the headers next to it too: a kernel that includes a changed one must build anew
-    for header in sorted(n for n in os.listdir(HERE) if n.endswith(".h")):
-        with open(os.path.join(HERE, header), "rb") as f:
-            source += f.read()
+    # the headers next to it and on the flags' include paths (an instrument's) too: a kernel
+    # that includes a changed one must build anew
+    folders = [HERE] + [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "-I"]
+    for folder in folders:
+        for header in sorted(n for n in os.listdir(folder) if n.endswith(".h")):
+            with open(os.path.join(folder, header), "rb") as f:
+                source += f.read()
     return hashlib.sha256(repr((source, flags, cxx, jaxlib.__version__)).encode()).hexdigest()[:16]
 
 

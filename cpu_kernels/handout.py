@@ -1,8 +1,9 @@
 """Memory of ours that every kernel library writes or reads (kv_hints.py's queue, the lab's
-benchmarks/call_log.py's log): handed to each library as it loads, and taken back or given
-again to all of them at once. A library asks for it through two C functions its source defines (the macros of
-kv_prefetch.h and call_log.h): `setter(void*)`, and `capacity()` (int64), the size it was
-built for; one built for another size would write past the memory, so it gets none."""
+benchmarks/call_log.py's log): handed to each library as it loads, and taken back or given again
+to all of them at once. A library asks for it through two C functions its source defines (the
+macros of kv_prefetch.h and of an instrument's call_log.h): `setter(void*)`, and `capacity()`
+(int64), the size it was built for; one built for another size would write past the memory, so
+it gets none."""
 from __future__ import annotations
 
 import ctypes

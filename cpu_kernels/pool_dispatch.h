@@ -33,7 +33,7 @@
 #include <cstring>
 #include <memory>
 
-#include "call_log.h"
+#include "call_observer.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxbatch_pool {
@@ -120,7 +120,7 @@ inline int64_t Helpers(ffi::ThreadPool& pool, int64_t units) {
 
 // Runs job->Work() until every one of job->units is done (job->done counts them), on the
 // calling thread and `helpers` pool tasks, or on helpers + 1 pool tasks (see above). Job: a
-// JobCounters with Work(). `label`: what the call log records of it (call_log.h).
+// JobCounters with Work(). `label`: what the call says about itself (call_observer.h).
 template <typename Job>
 ffi::Future Run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t helpers,
                 const jaxbatch_calls::Label& label) {

@@ -1,4 +1,4 @@
-"""The kernels' call log (`cpu_kernels/call_log.h`, `benchmarks/call_log.py`) in an instrumented process:
+"""The kernels' call log (`benchmarks/call_log.h` and `call_log.py`) in an instrumented process:
 while it records, every kernel call leaves one record of its kernel, its sizes and when it ran,
 in call order; when stopped, nothing more. Results never depend on it.
 

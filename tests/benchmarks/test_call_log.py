@@ -1,4 +1,4 @@
-"""The kernels' call log (`cpu_kernels/call_log.h`, the lab's `benchmarks/call_log.py`) is
+"""The kernels' call log (the lab's `benchmarks/call_log.h` and `call_log.py`) is
 compiled in only for an instrumented build: `call_log.instrument()`, called before any kernel
 registers, asks `cpu_kernels.availability.instrument` for libraries built with
 -DJAXBATCH_CALL_LOG (a library of their own in the cache). Production libraries carry no log
@@ -27,9 +27,10 @@ def test_production_libraries_carry_no_call_log():
     _, lib = build.load_library(packed_gemm.SOURCE, availability.build_flags())
     assert not hasattr(lib, "JaxbatchSetCallLog")
     assert not hasattr(lib, "JaxbatchCallLogCapacity")
-    _, instrumented = build.load_library(packed_gemm.SOURCE,
-                                         availability.FLAGS + ("-DJAXBATCH_CALL_LOG",))
+    _, instrumented = build.load_library(packed_gemm.SOURCE, availability.FLAGS + call_log.FLAGS)
     assert hasattr(instrumented, "JaxbatchSetCallLog")        # the same source, built apart
+    # the log itself is the lab's: nothing in the kernels' folder exists only for it
+    assert not any("call_log" in name for name in os.listdir(os.path.dirname(packed_gemm.__file__)))
 
 
 def test_start_without_instrument_says_what_to_do():

@@ -1,18 +1,14 @@
-// Kernel calls timed where they run, for `python -m benchmarks calls` (the lab's
-// benchmarks/call_log.py owns the memory). XLA's profiler times every op too, but its tracing
-// slows the step it times, the small calls most; a record here costs two clock reads and an
-// atomic add, and nothing but a load while the log is unset.
+// The CPU kernels' call log, compiled into an instrumented build only (this folder's
+// call_log.py asks build.py for one: -DJAXBATCH_CALL_LOG and this folder on the include path;
+// cpu_kernels/call_observer.h includes this file there, and is empty otherwise). XLA's profiler
+// times every op too, but its tracing slows the step it times, the small calls most; a record
+// here costs two clock reads and an atomic add, and nothing but a load while the log is unset.
 //
-// One log per process, handed to every kernel library as it loads (benchmarks/call_log.py,
-// `wire`), as kv_prefetch.h's queue is. `Begin` takes the next record when the call is entered
-// (on whichever thread XLA called it); `End` stamps it when the call's last unit is done: at the
+// One log per process, handed to every kernel library as it loads (call_log.py, `wire`), as
+// kv_prefetch.h's queue is. `Begin` takes the next record when the call is entered (on
+// whichever thread XLA called it); `End` stamps it when the call's last unit is done: at the
 // calling thread's return, or, for a call that returned a future (pool_dispatch.h), in the
 // task that completes it. A full log records nothing more until call_log.py empties it.
-//
-// Compiled in only for an instrumented build (-DJAXBATCH_CALL_LOG, which
-// benchmarks.call_log.instrument() asks build.py for, a library of its own in the cache):
-// otherwise Begin and End are empty inline functions and a library defines no setter, so
-// production calls carry no log code.
 #pragma once
 
 #include <time.h>
@@ -21,15 +17,6 @@
 
 namespace jaxbatch_calls {
 
-// Which kernel a record is of (call_log.py, KERNELS).
-enum Kernel : int64_t { kGemm = 1, kDecode = 2, kPrefill = 3, kNorm = 4, kArgmax = 5 };
-
-// What a call says about itself: its kernel and three sizes, each kernel's own (call_log.py
-// names them).
-struct Label {
-  int64_t kernel, a, b, c;
-};
-
 struct Record {
   int64_t kernel, a, b, c;
   int64_t entry_ns, end_ns;   // CLOCK_MONOTONIC; end 0 until the call is done
@@ -37,8 +24,6 @@ struct Record {
 };
 
 constexpr int64_t kMaxRecords = int64_t{1} << 17;   // call_log.CAPACITY
-
-#ifdef JAXBATCH_CALL_LOG
 
 struct Log {
   int64_t size;   // records taken (may pass kMaxRecords: those past it were not written)
@@ -79,16 +64,7 @@ inline void End(Record* record) {
   if (record != nullptr) __atomic_store_n(&record->end_ns, NowNs(), __ATOMIC_RELEASE);
 }
 
-#else   // a production build: nothing recorded, nothing to hand a log to
-
-inline Record* Begin(const Label&, int64_t, int64_t) { return nullptr; }
-inline void End(Record*) {}
-
-#endif
-
 }  // namespace jaxbatch_calls
-
-#ifdef JAXBATCH_CALL_LOG
 
 // Each kernel library defines these with this macro (call_log.py looks them up by name).
 #define JAXBATCH_DEFINE_CALL_LOG_SETTER                                                     \
@@ -99,6 +75,3 @@ inline void End(Record*) {}
   extern "C" __attribute__((visibility("default"))) int64_t JaxbatchCallLogCapacity() {     \
     return jaxbatch_calls::kMaxRecords;                                                     \
   }
-#else
-#define JAXBATCH_DEFINE_CALL_LOG_SETTER
-#endif
