@@ -66,3 +66,33 @@ def test_the_check_finds_a_dated_citation_and_a_missing_section(tmp_path):
     (tmp_path / "pallas_kernels").mkdir()
     assert sorted(o.split(": ")[0] for o in offenders(tmp_path)) == [
         "cpu_kernels/k.cc:1", "jaxbatch/a.py:1", "jaxbatch/a.py:4"]
+
+
+MAX_LINES = 400         # issue 55: today's figures, not a log
+COMMAND = re.compile(r"jaxbatch bench \w|python -m benchmarks \w|bash scripts/|lm_eval ")
+
+
+def undocumented_tables(page: str) -> list[str]:
+    """The headings of sections (### within ##) that hold a table but name no date or no
+    command reproducing it. The machine may be the page's default ("## Machine")."""
+    missing = []
+    for section in re.split(r"(?m)^(?=##+ )", page):
+        if not re.search(r"(?m)^\|---", section):
+            continue
+        words = " ".join(section.split())
+        if not (DATE.search(words) and COMMAND.search(words)):
+            missing.append(section.splitlines()[0])
+    return missing
+
+
+def test_the_benchmarks_page_states_todays_figures_with_date_and_command():
+    page = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert len(page.splitlines()) <= MAX_LINES
+    assert "## Machine" in page
+    assert not undocumented_tables(page)
+
+
+def test_the_page_check_finds_a_table_without_its_command():
+    page = ("## Machine\n\n## Good\n\n2026-12-07, `jaxbatch bench roofline --rows 16`\n\n"
+            "| a |\n|---|\n| 1 |\n\n## Bad\n\n2026-12-07, by hand\n\n| a |\n|---|\n| 1 |\n")
+    assert undocumented_tables(page) == ["## Bad"]
