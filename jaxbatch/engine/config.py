@@ -162,11 +162,12 @@ class RuntimeOptions:
                               "or required (an error where one cannot run); stats()['kernels'] "
                               "says what runs each operation and why", CPU_KERNEL_MODES)
     kv_prefetch: bool = option(True, "the C++ decode attention names the next layer's KV pages "
-                               "to the GEMMs before it, which request them into cache (results "
-                               "are the same either way)")
+                               "to the GEMMs before it, which request them into cache where "
+                               "they run on AVX512 (cpu_gemm packed; results are the same "
+                               "either way)")
     cpu_gemm: str = option("auto", "a bf16 or w8a8 model's matmuls on a CPU: our kernels over "
-                           "packed weights on amx (AMX tiles; an error where the CPU lacks them) "
-                           "or packed (AVX512-BF16 / VNNI), xla (XLA's dots), or auto: amx where "
+                           "packed weights on amx (AMX tiles; an error where they cannot run "
+                           "or apply) or packed (AVX512-BF16 / VNNI), xla (XLA's dots), or auto: amx where "
                            "the CPU has AMX, else packed", CPU_GEMMS)
     weight_layout: str = option("auto", "layer matrices kept apart per layer (auto on a CPU: "
                                 "each matmul reads its weight in place) or stacked [L, in, out] "

@@ -91,6 +91,8 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
     per_layer = (options.weight_layout == "per_layer" or
                  (options.weight_layout == "auto" and on_cpu and not tensor_parallel))
     dtype = jnp.dtype(dtype)
+    if options.cpu_gemm == "amx":
+        _check_amx_applies(options, dtype, per_layer, platform)
     reasons = {}
 
     def cpu_kernel(entry: str, reason: str | None, name: str, fallback: str) -> bool:
@@ -127,14 +129,19 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
                          "jnp query tiles")
     argmax = cpu_kernel("argmax", first_argmax.unavailable_reason(), "first_argmax",
                         "jnp two-level")
-    prefetch = options.kv_prefetch and decode and packed
-    reasons["kv_prefetch"] = ("on: decode attention names the next layer's pages to the GEMMs"
-                              if prefetch else "off" + ("" if decode and packed else
-                                                        " (needs the C++ attention and GEMM)"))
-    kv_hints.set_enabled(options.kv_prefetch)
     w8a8_kernel = None
     if options.int8_activations:
         w8a8_kernel, reasons["w8a8"] = _w8a8_kernel(platform, options, per_layer)
+    # Only the packed AVX512 loop (bf16, float32, and W8A8's on VNNI) reads the hints; AMX
+    # tiles and XLA's dots do not, and decode attention then publishes none.
+    hint_readers = w8a8_kernel == "cpu" if w8a8_kernel else packed and not amx
+    prefetch = options.kv_prefetch and decode and hint_readers
+    reasons["kv_prefetch"] = (
+        "on: decode attention names the next layer's pages to the GEMMs" if prefetch
+        else "off" if not options.kv_prefetch
+        else "off (needs the C++ decode attention and the AVX512 GEMM; AMX tiles and XLA's "
+             "dots read no hints)")
+    kv_hints.set_enabled(options.kv_prefetch)
     form = WeightForm(per_layer=per_layer, transposed=on_cpu and per_layer, bits=on_cpu,
                       fused=on_cpu and per_layer, packed=packed, amx=amx,
                       w8a8_kernel=w8a8_kernel)
@@ -144,8 +151,8 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
         kernels=Kernels(add_norm=_add_norm_kernel if norm else norms.add_rms_norm,
                         reasons=reasons),
         weight_form=form,
-        decode_attention=(functools.partial(_decode_kernel, num_layers=model_cfg.num_layers)
-                          if decode else None),
+        decode_attention=(functools.partial(_decode_kernel, num_layers=model_cfg.num_layers,
+                                            publish=prefetch) if decode else None),
         prefill_attention=paged_prefill.paged_prefill_attention if prefill else None,
         argmax=_argmax_kernel if argmax else two_level_argmax,
         reasons=reasons)
@@ -193,6 +200,18 @@ def _amx_tiles(options: KernelOptions, why_not) -> bool:
     return reason is None
 
 
+def _check_amx_applies(options: KernelOptions, dtype, per_layer: bool, platform: str) -> None:
+    """cpu_gemm='amx' is honoured or refused, never ignored: it needs a CPU, our kernels, the
+    per-layer weights they take, and bf16 matrices or W8A8's int8 ones (no float32 tiles)."""
+    why = (f"a {platform} backend" if platform != "cpu"
+           else "cpu_kernels='off'" if options.cpu_kernels == "off"
+           else "a stacked weight layout (the kernels take per-layer weights)" if not per_layer
+           else f"{dtype.name} matrices (AMX tiles take bf16, or int8 with quantization='w8a8')"
+           if dtype != jnp.bfloat16 and not options.int8_activations else None)
+    if why:
+        raise ValueError(f"cpu_gemm='amx' cannot apply to {why}; cpu_gemm='auto' picks what runs")
+
+
 def _gemm_reason(dtype, per_layer: bool) -> str | None:
     if not per_layer:
         return "stacked weight layout"
@@ -218,12 +237,12 @@ def _add_norm_kernel(x, h, weight, eps, offset=0.0):
     return tuple(add_rms_norm.add_rms_norm(x, h, weight, eps, offset))
 
 
-def _decode_kernel(q, k_pages, v_pages, *meta, scale, window, num_layers: int):
+def _decode_kernel(q, k_pages, v_pages, *meta, scale, window, num_layers: int, publish: bool):
     """The C++ decode attention, told how far the next layer's blocks lie in the folded pool
-    (for its prefetch hints)."""
-    return paged_decode.paged_decode_attention(q, k_pages, v_pages, *meta, scale=scale,
-                                               window=window,
-                                               next_layer_blocks=k_pages.shape[1] // num_layers)
+    (for its prefetch hints; 0 where no GEMM reads them: nothing published)."""
+    return paged_decode.paged_decode_attention(
+        q, k_pages, v_pages, *meta, scale=scale, window=window,
+        next_layer_blocks=k_pages.shape[1] // num_layers if publish else 0)
 
 
 def _argmax_kernel(x):

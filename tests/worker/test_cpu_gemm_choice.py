@@ -4,6 +4,8 @@ cannot run) or by AVX512-BF16 / VNNI ('packed'), or XLA's dots ('xla'); a float3
 the AVX512 kernel (AMX has no float32 tiles)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -78,10 +80,42 @@ def test_w8a8_auto_takes_amx_tiles_where_the_cpu_has_them_and_packed_vnni(monkey
     assert _w8a8_choice("packed").weight_form.w8a8_kernel == "cpu"
     monkeypatch.setattr(w8a8_gemm, "amx_why_not", lambda: "this CPU lacks amx_int8")
     assert _w8a8_choice("auto").weight_form.w8a8_kernel == "cpu"
-    with pytest.raises(ValueError, match="cpu_gemm='amx'.*lacks amx_int8"):
+    # (where the CPU has no AMX at all the bf16 check names every flag it lacks)
+    with pytest.raises(ValueError, match="cpu_gemm='amx'.*lacks .*amx_int8"):
         _w8a8_choice("amx")
 
 
 def test_w8a8_with_the_cpu_kernels_off_is_refused_even_where_xla_could_run_it():
     with pytest.raises(ValueError, match="cpu_kernels='off'"):
         _w8a8_choice("auto", cpu_kernels="off")
+
+
+@pytest.mark.parametrize("dtype, options, why", [
+    (jnp.float32, {}, "float32 matrices"),
+    (jnp.bfloat16, {"cpu_kernels": "off"}, "cpu_kernels='off'"),
+    (jnp.bfloat16, {"weight_layout": "stacked"}, "stacked weight layout")])
+def test_amx_asked_for_where_it_cannot_apply_is_refused_not_ignored(dtype, options, why):
+    with pytest.raises(ValueError, match=f"cpu_gemm='amx' cannot apply to .*{why}"):
+        choose(model_cfg=CFG, dtype=dtype, pool_dtype=dtype, platform="cpu",
+               options=KernelOptions(cpu_gemm="amx", **options))
+    with pytest.raises(ValueError, match="cpu_gemm='amx' cannot apply to a gpu backend"):
+        choose(model_cfg=CFG, dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16, platform="gpu",
+               options=KernelOptions(cpu_gemm="amx"))
+
+
+@needs_packed
+@pytest.mark.skipif(packed_gemm.why_not(jnp.bfloat16, 64, 64) is not None, reason="no kernel")
+def test_kv_hints_are_published_only_where_the_layers_gemm_reads_them(monkeypatch):
+    """The packed AVX512 loop reads decode attention's hints; AMX tiles do not, so there the
+    choice says so and decode attention publishes nothing (next_layer_blocks 0)."""
+    monkeypatch.setattr(packed_gemm, "amx_why_not", lambda: None)
+    cfg = dataclasses.replace(CFG, hidden_size=256, head_dim=64)     # the decode kernel's heads
+    tiles, loop = [choose(model_cfg=cfg, dtype=jnp.bfloat16, pool_dtype=jnp.uint16,
+                          platform="cpu", options=KernelOptions(cpu_gemm=gemm))
+                   for gemm in ("auto", "packed")]
+    if tiles.decode_attention is None:
+        pytest.skip(f"no C++ decode attention here: {tiles.describe()['decode_attention']}")
+    assert tiles.describe()["kv_prefetch"].startswith("off (")
+    assert not tiles.decode_attention.keywords["publish"]
+    assert loop.describe()["kv_prefetch"].startswith("on")
+    assert loop.decode_attention.keywords["publish"]

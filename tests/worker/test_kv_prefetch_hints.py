@@ -122,9 +122,11 @@ def test_turned_off_nothing_is_published():
 def test_the_xla_backend_passes_the_distance_to_the_next_layer():
     cfg = ModelConfig(vocab_size=64, hidden_size=HEADS * D, intermediate_size=64,
                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KVH, head_dim=D)
-    from jaxbatch.worker.kernels import choose
+    from jaxbatch.worker.kernels import KernelOptions, choose
+    # the AVX512 GEMM reads the hints (AMX tiles do not: nothing is published for them)
     backend = WorkListBackend().with_kernels(choose(model_cfg=cfg, dtype=jnp.bfloat16,
-                                                    pool_dtype=jnp.uint16))
+                                                    pool_dtype=jnp.uint16,
+                                                    options=KernelOptions(cpu_gemm="packed")))
     q, k, v, items, lengths, _ = _case(jnp.bfloat16)
     attend = backend.decode_attend(items + (lengths,), 0.5)
     hlo = jax.jit(attend).lower(q, k, v, jnp.int32(0)).as_text()
