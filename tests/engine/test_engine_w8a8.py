@@ -5,6 +5,8 @@ reference (the stacked layout runs the reference), and a CPU that cannot run the
 refuses the option before anything loads."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,6 +74,11 @@ def test_the_lm_head_takes_the_layers_w8a8_form_and_logits_stay_float32(kernel_e
     from jaxbatch.worker.kernel_forms import W8A8_KERNELS
     head = kernel_engine.runner.params["lm_head"]
     assert type(head) is W8A8_KERNELS[kernel_engine.runner.kernels.weight_form.w8a8_kernel]
+    from jaxbatch.model.decoder import compute_logits
+    hidden = jnp.ones((2, kernel_engine.model_config.hidden_size), jnp.bfloat16)
+    logits = jax.jit(compute_logits)(kernel_engine.runner.params, hidden)
+    assert logits.dtype == jnp.float32
+    assert logits.shape == (2, kernel_engine.model_config.vocab_size)
     out = run_all(kernel_engine, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=2,
                                                               logprobs=3, ignore_eos=True)])
     assert len(out[0].outputs[0].logprobs[0]) >= 3
