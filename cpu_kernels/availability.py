@@ -97,6 +97,16 @@ def amx_unavailable_reason() -> str | None:
     return None
 
 
+def built_with_amx(source: str) -> bool:
+    """Whether `source`'s library (loaded: after a register) was compiled with AMX intrinsics
+    (its JaxbatchAmxBuilt: an older compiler builds it without them)."""
+    _, lib = build.load_library(source, build_flags())
+    return bool(lib.JaxbatchAmxBuilt())
+
+
+NO_AMX_COMPILER = "the compiler has no AMX intrinsics (GCC 11 and Clang 12 have them)"
+
+
 def amx_variant(symbol: str, target: str) -> tuple[str, str]:
     """The (symbol, target) of a GEMM handler's AMX variant (packed_gemm.cc)."""
     return symbol + "Amx", target + "_amx"

@@ -347,6 +347,21 @@ struct Job : jaxbatch_pool::JobCounters {
   }
 };
 
+// AMX intrinsics came with GCC 11 and Clang 12: an older compiler (or -DJAXBATCH_NO_AMX, as a
+// test builds it) builds everything else, and the AMX handlers then refuse (JaxbatchAmxBuilt
+// says which; packed_gemm.amx_why_not asks).
+#if defined(__has_include) && !defined(JAXBATCH_NO_AMX)
+#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
+#define JAXBATCH_HAVE_AMX 1
+#endif
+#endif
+#ifndef JAXBATCH_HAVE_AMX
+#define JAXBATCH_HAVE_AMX 0
+#endif
+
+extern "C" __attribute__((visibility("default"))) int JaxbatchAmxBuilt() { return JAXBATCH_HAVE_AMX; }
+
+#if JAXBATCH_HAVE_AMX
 // ---- AMX: the same packed weights, met 16 rows at a time by the tile unit ------------------
 //
 // Sixteen consecutive packed lines of one column block, [16 k pairs][16 columns][2] bf16 or
@@ -616,6 +631,8 @@ std::shared_ptr<J> AmxJobFor(const Problem<T>& p) {
   return job;
 }
 
+#endif  // JAXBATCH_HAVE_AMX
+
 // Below this many multiply-adds a call runs on the calling thread alone: waking a helper
 // costs more than it saves.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
@@ -666,11 +683,16 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
   const int64_t macs = job->p.m * job->p.k * job->p.n_blocks * 16;
   const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16};
   if constexpr (kAmx) {
+#if JAXBATCH_HAVE_AMX
     if (!AmxPermitted())
       return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
           "packed_gemm", "the AMX variant called where Linux grants no tile registers"));
     if (auto amx = AmxJobFor<AmxJob<T>>(job->p))
       return jaxbatch_pool::Run(pool, amx, jaxbatch_pool::Helpers(pool, amx->units), label);
+#else
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "packed_gemm", "the AMX variant of a library built without AMX intrinsics"));
+#endif
   }
   // The caller works too: num_threads - 1 helpers make one thread per pool thread (per core).
   const int64_t helpers = macs < kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
@@ -734,8 +756,10 @@ struct WithQuantizedRows : J {
 };
 template <typename XT>
 using W8A8Job = WithQuantizedRows<Job<uint8_t>, XT>;
+#if JAXBATCH_HAVE_AMX
 template <typename XT>
 using AmxW8A8Job = WithQuantizedRows<AmxJob<uint8_t>, XT>;
+#endif
 
 // x [M, K] bf16 or float32; w [N / 16, K / 4, 64] int8, element [b, p, 4 j + t] =
 // W[4 p + t, 16 b + j]; w_scale [N] float32; comp [N] int32 = 128 x sum_k W[k, n]; rows [1]
@@ -790,6 +814,7 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
   const int64_t macs = m * k * wd[0] * 16;
   const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, m, k, out_blocks * 16};
   if constexpr (kAmx) {
+#if JAXBATCH_HAVE_AMX
     if (!AmxPermitted())
       return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
           "w8a8_gemm", "the AMX variant called where Linux grants no tile registers"));
@@ -799,6 +824,10 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
       amx->x_scale = std::move(job->x_scale);
       return jaxbatch_pool::Run(pool, amx, jaxbatch_pool::Helpers(pool, amx->units), label);
     }
+#else
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "w8a8_gemm", "the AMX variant of a library built without AMX intrinsics"));
+#endif
   }
   const int64_t helpers = macs < 2 * kMinParallelMacs ? 0 : jaxbatch_pool::Helpers(pool, job->units);
   return jaxbatch_pool::Run(pool, job, helpers, label);

@@ -64,7 +64,7 @@ def amx_why_not() -> str | None:
         reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(symbol, target))
         if reason:
             return reason
-    return None
+    return None if availability.built_with_amx(SOURCE) else availability.NO_AMX_COMPILER
 
 
 def _variant(symbol: str, target: str, amx: bool) -> tuple[str, str]:

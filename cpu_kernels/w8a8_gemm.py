@@ -60,7 +60,7 @@ def amx_why_not() -> str | None:
         reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(*handler))
         if reason:
             return reason
-    return None
+    return None if availability.built_with_amx(SOURCE) else availability.NO_AMX_COMPILER
 
 
 def why_not(k: int, n: int) -> str | None:

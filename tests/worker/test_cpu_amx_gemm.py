@@ -117,3 +117,4 @@ def test_the_engine_on_amx_tiles_agrees_with_the_avx512_kernel_and_batch_invaria
     assert avx512.stats()["matmuls"] == "cpu_kernels.packed_gemm"
     agree = tokens_agreeing(outs, run_all(avx512, prompts, params), logprob_tol=1e-2)
     assert agree >= 36, f"only {agree} of 40 greedy tokens agree before a divergence"
+
