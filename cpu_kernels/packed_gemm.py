@@ -86,6 +86,12 @@ def why_not(dtype, k: int, n: int) -> str | None:
     return unavailable_reason()
 
 
+def amx_covers(dtype, k: int) -> bool:
+    """Whether the AMX variant meets a [k, n] weight with tiles: bf16, k whole tile steps (16
+    pairs); elsewhere the call runs the AVX512 loop inside, whatever it is asked."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and k % 32 == 0
+
+
 def pack(w: np.ndarray) -> np.ndarray:
     """w [K, N] (bf16 or float32, numpy) -> [N / 16, K / s, 16 s] with s k values per lane:
     element [b, p, s j + t] = w[s p + t, 16 b + j]."""

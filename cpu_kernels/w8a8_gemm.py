@@ -69,6 +69,12 @@ def why_not(k: int, n: int) -> str | None:
     return unavailable_reason()
 
 
+def amx_covers(k: int) -> bool:
+    """Whether the AMX variant meets a [k, n] weight with tiles: k whole tile steps (16 k
+    quads); elsewhere the call runs the VNNI loop inside."""
+    return k % (16 * PER_STEP) == 0
+
+
 def pack(w: np.ndarray, w_scale: np.ndarray) -> PackedInt8:
     w = np.asarray(w)
     if w.dtype != np.int8:

@@ -99,10 +99,12 @@ def _lm_head(head, form: WeightForm, packed_form) -> Linear:
     dense."""
     w8a8_form = _head_w8a8_form(form)
     if w8a8_form is not None:
-        if issubclass(w8a8_form, PackedW8A8) and w8a8_gemm.why_not(*head.shape) is not None:
-            w8a8_form = W8A8
-        return w8a8_form.of(*quantize_int8(head, axis=-2))
-    return packed_form.of(head, head) if form.packed and _covered(head) else Dense(head)
+        return _w8a8_matrix(Int8(*quantize_int8(head, axis=-2)), w8a8_form)
+    if not (form.packed and _covered(head)):
+        return Dense(head)
+    if packed_form is AmxPacked and not packed_gemm.amx_covers(head.dtype, head.shape[0]):
+        packed_form = Packed
+    return packed_form.of(head, head)
 
 
 def _in_form(params: dict, form: WeightForm) -> bool:
@@ -117,12 +119,15 @@ def _in_form(params: dict, form: WeightForm) -> bool:
     forms = [w for w in jax.tree.leaves(params, is_leaf=is_linear_leaf) if isinstance(w, Linear)]
     packed = any(isinstance(w, Packed) for w in forms)
     amx = any(isinstance(w, AmxPacked) for w in forms)
-    w8a8_forms = {type(w) for w in forms if isinstance(w, W8A8_FORMS)}
-    w8a8_form = {W8A8_KERNELS[form.w8a8_kernel]} if form.w8a8_kernel else set()
+    kinds = {type(w) for w in forms if isinstance(w, W8A8_FORMS)}
+    expected = W8A8_KERNELS[form.w8a8_kernel] if form.w8a8_kernel else None
+    # a matrix the kernel does not cover keeps a fallback form (the reference; VNNI under AMX)
+    w8a8_ok = (not kinds if expected is None
+               else expected in kinds and kinds <= {expected, W8A8, PackedW8A8})
     # under w8a8 the head is int8 too, and nothing may be left to pack
     packed_ok = packed == form.packed or (not packed and _head_w8a8_form(form) is not None)
     return (per_layer == form.per_layer and fused == form.fused and packed_ok
-            and amx == (packed and form.amx) and w8a8_forms == w8a8_form)
+            and (form.amx or not amx) and w8a8_ok)
 
 
 def is_linear_leaf(value) -> bool:
@@ -242,6 +247,8 @@ PER_LAYER_ONLY = (PackedW8A8, AmxPackedW8A8, OutInW8A8)
 def _w8a8_matrix(w: Int8, form_class) -> Linear:
     if issubclass(form_class, PackedW8A8) and w8a8_gemm.why_not(*w.in_out) is not None:
         form_class = W8A8
+    if form_class is AmxPackedW8A8 and not w8a8_gemm.amx_covers(w.in_out[0]):
+        form_class = PackedW8A8             # the call would run the VNNI loop: say so
     return form_class.of(w.values, w.scale)
 
 
@@ -249,8 +256,11 @@ def _packed(value, packed_form):
     """Per-layer [out, in] float matrices the GEMM covers -> packed; the rest unchanged."""
     if not (isinstance(value, PerLayer) and all(isinstance(w, OutIn) for w in value.layers)):
         return value
-    if packed_gemm.why_not(value.layers[0].w.dtype, *value.in_out) is not None:
+    dtype = value.layers[0].w.dtype
+    if packed_gemm.why_not(dtype, *value.in_out) is not None:
         return value
+    if packed_form is AmxPacked and not packed_gemm.amx_covers(dtype, value.in_out[0]):
+        packed_form = Packed                # the call would run the AVX512 loop: say so
     return PerLayer(tuple(packed_form.of(w.w.T, w.w) for w in value.layers))
 
 

@@ -176,3 +176,24 @@ def test_int8_quantizes_the_parts_of_fused_matrices():
     assert not set(FUSED) & set(q)
     assert all(isinstance(q[p].layers[0], Int8) for parts in FUSED.values() for p in parts)
     assert target_shapes({"layers": q}) == target_shapes(stored)
+
+
+@needs_gemm
+def test_amx_forms_only_where_the_tiles_cover_the_matrix(monkeypatch):
+    """A bf16 matrix whose in-width is no whole tile step would run the AVX512 loop inside the
+    AMX call: it takes the AVX512 form (and its epilogue threshold), and says so; prepare of
+    the result changes nothing."""
+    import dataclasses
+    from jaxbatch.worker.kernel_forms import AmxPacked
+    _, params = _per_layer("llama_untied_gqa2", jnp.bfloat16)
+    amx_form = dataclasses.replace(PACKED_FORM, amx=True)
+    covered = prepare(params, amx_form)
+    assert all(type(w) is AmxPacked for v in covered["layers"].values()
+               if isinstance(v, PerLayer) for w in v.layers)
+    monkeypatch.setattr(packed_gemm, "amx_covers", lambda dtype, k: False)
+    uncovered = prepare(params, amx_form)
+    forms = [type(w) for v in uncovered["layers"].values() if isinstance(v, PerLayer)
+             for w in v.layers] + [type(uncovered["lm_head"])]
+    assert set(forms) == {Packed}
+    again = prepare(uncovered, amx_form)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(uncovered)))
