@@ -750,7 +750,13 @@ struct WithQuantizedRows : J {
         QuantizeRow(x + r * k, k, xq.get() + r * k, x_scale.get() + r);
       rows_done.fetch_add(r1 - r0, std::memory_order_release);
     }
-    while (rows_done.load(std::memory_order_acquire) < m) _mm_pause();   // others' last rows
+    // others' last rows: a short spin, then yield (a descheduled thread holding them on a
+    // shared machine must get the core; pool_dispatch.h's waits do the same)
+    for (int spins = 0; rows_done.load(std::memory_order_acquire) < m; ++spins)
+      if (spins < 4096)
+        _mm_pause();
+      else
+        sched_yield();
     J::Work();
   }
 };
