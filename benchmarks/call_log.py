@@ -1,11 +1,11 @@
 """The memory of the CPU kernels' call log (`call_log.h` beside this file): each call of a kernel,
 timed on the thread that runs it, for `python -m benchmarks calls`. The log is compiled only
 into an instrumented build: a process that wants it calls `instrument()` before any kernel
-registers, which asks `cpu_kernels.availability.instrument` for libraries built with
--DJAXBATCH_CALL_LOG and this folder on the include path (a library of their own in the cache) and wired to this log as they load;
-production builds carry no log code. One log per process, owned here and handed to every
-kernel library as it loads (`wire`) while recording is on; off (the default) the libraries
-hold no log and record nothing.
+registers, which asks `cpu_kernels.availability.instrument` for libraries built with `FLAGS`
+(-DJAXBATCH_CALL_LOG, this folder on the include path; a library of their own in the cache) and
+wired to this log as they load; production builds carry no log code. One log per process, owned
+here and handed to every kernel library as it loads (`wire`) while recording is on; off (the
+default) the libraries hold no log and record nothing.
 
     instrument()  this process's kernels are built with the call log; raises RuntimeError
                   once a kernel has registered (its library is built without it)

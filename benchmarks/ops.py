@@ -3,7 +3,8 @@ around steady decode steps and one prefill chunk, each op named with its shape f
 compiled executable's HLO.
 
     python -m benchmarks ops [--rows 16 64] [--prefill-tokens 256] [--dtype auto]
-                                 [--steps 5] [--top 20] [--random-model SHAPE] [--quantization w8a8]
+                                 [--steps 5] [--top 20] [--random-model SHAPE]
+                                 [--quantization w8a8]
 
 Decode: `rows` requests decoding in lockstep at contexts in (ctx/2, ctx] (roofline's steady
 engine, no overlap); prefill: one chunk of a second request (the first compiled the step).

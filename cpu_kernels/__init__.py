@@ -12,9 +12,10 @@ the plain-jnp function it replaces, which the caller uses wherever the kernel is
     packed_gemm    x @ W, bf16 or float32, over a weight packed once at load time
                    (reference: jnp.dot with float32 accumulation; jaxbatch/worker/weight_forms.py
                    packs the weights); silu_mul, the MLP's silu(gate) * up as its epilogue
-    w8a8_gemm      x @ W for int8 weights against x quantized per row in the call (AVX512-VNNI,
-                   or AMX int8 tiles with the same sums; int32 sums; reference: pallas_kernels.w8a8.w8a8_reference, bit for bit),
-                   built from packed_gemm.cc's loop
+    w8a8_gemm      x @ W for int8 weights against x quantized per row in the call (AVX512-VNNI
+                   or AMX int8 tiles, the same int32 sums; reference:
+                   pallas_kernels.w8a8.w8a8_reference, bit for bit), built from packed_gemm.cc's
+                   loop
     add_rms_norm   a residual add and the RMSNorm after it, bf16 (reference: the jnp form of
                    jaxbatch.model.layers.add_rms_norm; the same sums, norms within a bf16
                    step: IEEE sqrt and division where XLA:CPU approximates)

@@ -359,7 +359,9 @@ struct Job : jaxbatch_pool::JobCounters {
 #define JAXBATCH_HAVE_AMX 0
 #endif
 
-extern "C" __attribute__((visibility("default"))) int JaxbatchAmxBuilt() { return JAXBATCH_HAVE_AMX; }
+extern "C" __attribute__((visibility("default"))) int JaxbatchAmxBuilt() {
+  return JAXBATCH_HAVE_AMX;
+}
 
 #if JAXBATCH_HAVE_AMX
 // ---- AMX: the same packed weights, met 16 rows at a time by the tile unit ------------------
@@ -753,7 +755,7 @@ struct WithQuantizedRows : J {
     // others' last rows: a short spin, then yield (a descheduled thread holding them on a
     // shared machine must get the core; pool_dispatch.h's waits do the same)
     for (int spins = 0; rows_done.load(std::memory_order_acquire) < m; ++spins)
-      if (spins < 4096)
+      if (spins < jaxbatch_pool::kSpinPauses)
         _mm_pause();
       else
         sched_yield();

@@ -42,6 +42,7 @@ _SILU_MUL = ("JaxbatchPackedGemmSiluMul", "jaxbatch_packed_gemm_silu_mul")
 TARGETS = tuple(target for _, target, _, _ in _HANDLERS.values()) + (_BF16_OUT[1], _SILU_MUL[1])
 TARGETS += tuple(availability.amx_variant("", target)[1] for target in (TARGETS[0],) + TARGETS[2:])
 BLOCK = 16                                  # output columns per packed block (one zmm of f32)
+TILE_ROWS = 16                              # k steps of an AMX B tile (packed_gemm.cc, kTileRows)
 _STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32):
            jnp.dtype(jnp.float32)}
 
@@ -89,7 +90,8 @@ def why_not(dtype, k: int, n: int) -> str | None:
 def amx_covers(dtype, k: int) -> bool:
     """Whether the AMX variant meets a [k, n] weight with tiles: bf16, k whole tile steps (16
     pairs); elsewhere the call runs the AVX512 loop inside, whatever it is asked."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and k % 32 == 0
+    per_step = _HANDLERS[_STORED[jnp.dtype(jnp.bfloat16)]][3]
+    return jnp.dtype(dtype) == jnp.bfloat16 and k % (TILE_ROWS * per_step) == 0
 
 
 def pack(w: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import availability
+from cpu_kernels import availability, packed_gemm
 
 SOURCE = "packed_gemm.cc"
 BLOCK = 16                      # output columns per packed block
@@ -72,7 +72,7 @@ def why_not(k: int, n: int) -> str | None:
 def amx_covers(k: int) -> bool:
     """Whether the AMX variant meets a [k, n] weight with tiles: k whole tile steps (16 k
     quads); elsewhere the call runs the VNNI loop inside."""
-    return k % (16 * PER_STEP) == 0
+    return k % (packed_gemm.TILE_ROWS * PER_STEP) == 0
 
 
 def pack(w: np.ndarray, w_scale: np.ndarray) -> PackedInt8:

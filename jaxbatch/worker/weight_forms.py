@@ -102,9 +102,7 @@ def _lm_head(head, form: WeightForm, packed_form) -> Linear:
         return _w8a8_matrix(Int8(*quantize_int8(head, axis=-2)), w8a8_form)
     if not (form.packed and _covered(head)):
         return Dense(head)
-    if packed_form is AmxPacked and not packed_gemm.amx_covers(head.dtype, head.shape[0]):
-        packed_form = Packed
-    return packed_form.of(head, head)
+    return _tiles_or_loop(packed_form, head.dtype, head.shape[0]).of(head, head)
 
 
 def _in_form(params: dict, form: WeightForm) -> bool:
@@ -259,9 +257,16 @@ def _packed(value, packed_form):
     dtype = value.layers[0].w.dtype
     if packed_gemm.why_not(dtype, *value.in_out) is not None:
         return value
-    if packed_form is AmxPacked and not packed_gemm.amx_covers(dtype, value.in_out[0]):
-        packed_form = Packed                # the call would run the AVX512 loop: say so
+    packed_form = _tiles_or_loop(packed_form, dtype, value.in_out[0])
     return PerLayer(tuple(packed_form.of(w.w.T, w.w) for w in value.layers))
+
+
+def _tiles_or_loop(packed_form, dtype, k: int):
+    """AmxPacked only where the tiles cover a [k, n] matrix; elsewhere the call would run the
+    AVX512 loop inside, so the matrix takes that form (and its epilogue threshold) and says so."""
+    if packed_form is AmxPacked and not packed_gemm.amx_covers(dtype, k):
+        return Packed
+    return packed_form
 
 
 def _covered(head) -> bool:
