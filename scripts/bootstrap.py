@@ -150,7 +150,10 @@ def main() -> int:
     if what == "demo":
         return subprocess.call([PY, "-m", "jaxbatch.entrypoints.demo", *rest], cwd=ROOT)
     if what == "test":
-        return subprocess.call([PY, "-m", "pytest", "-q", *rest], cwd=ROOT)
+        # Two workers, a file at a time each (tests/conftest.py, pyproject's one_worker_paths):
+        # the suite waits on servers, subprocesses and timeouts a third of its time on one.
+        return subprocess.call([PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+                                *rest], cwd=ROOT)
     return 0
 
 

@@ -47,8 +47,12 @@ def long_prompt_ids(embedded):
 def pytest_addoption(parser):
     parser.addini("e2e_paths", "test files, folders or file::test names marked e2e (left out "
                   "of the short loop)", type="linelist", default=[])
+    parser.addini("one_worker_paths", "test files that pytest-xdist runs on one worker, one "
+                  "after another", type="linelist", default=[])
 
 
+# Before xdist's own hook, which reads the groups into the test ids it schedules by.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     entries = config.getini("e2e_paths")
     paths = [config.rootpath / p for p in entries if "::" not in p]
@@ -57,3 +61,14 @@ def pytest_collection_modifyitems(config, items):
         if (item.nodeid.split("[")[0] in tests
                 or any(item.path == p or p in item.path.parents for p in paths)):
             item.add_marker(pytest.mark.e2e)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item, group in xdist_groups(config, items).items():
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_groups(config, items) -> dict:
+    """Each test's group under `--dist loadgroup`: its file (a worker builds a module's
+    fixtures once), or "one worker" for the files of `one_worker_paths`."""
+    shared = {config.rootpath / p for p in config.getini("one_worker_paths")}
+    return {item: "one worker" if item.path in shared
+            else item.path.relative_to(config.rootpath).as_posix() for item in items}
