@@ -62,13 +62,10 @@ def pytest_collection_modifyitems(config, items):
                 or any(item.path == p or p in item.path.parents for p in paths)):
             item.add_marker(pytest.mark.e2e)
     if config.pluginmanager.hasplugin("xdist"):
-        for item, group in xdist_groups(config, items).items():
+        # `--dist loadgroup`: a file is a group (a worker builds its module fixtures once),
+        # except the files of `one_worker_paths`, which are one group between them
+        shared = {config.rootpath / p for p in config.getini("one_worker_paths")}
+        for item in items:
+            group = ("one worker" if item.path in shared
+                     else item.path.relative_to(config.rootpath).as_posix())
             item.add_marker(pytest.mark.xdist_group(group))
-
-
-def xdist_groups(config, items) -> dict:
-    """Each test's group under `--dist loadgroup`: its file (a worker builds a module's
-    fixtures once), or "one worker" for the files of `one_worker_paths`."""
-    shared = {config.rootpath / p for p in config.getini("one_worker_paths")}
-    return {item: "one worker" if item.path in shared
-            else item.path.relative_to(config.rootpath).as_posix() for item in items}
