@@ -5,10 +5,11 @@ the event's own token ids, and a router that applies the events predicts the eng
 hits after every request, through evictions (a small pool) and a reset. The replay socket
 returns every batch a late subscriber missed.
 
-Where vLLM 0.32 is installed beside the test environment (/work/.venv-vllm, or
-$JAXBATCH_VLLM_PYTHON: a python whose `import vllm` works), the same payloads are decoded with
-vLLM's own classes and the hashes recomputed with vLLM's own hash_block_tokens, in that
-interpreter; elsewhere (CI) that test is skipped and says so."""
+Where vLLM 0.32 is installed beside the test environment (the checkout's .venv-vllm, which
+scripts/setup_vllm_cpu.sh makes, or $JAXBATCH_VLLM_PYTHON: a python whose `import vllm`
+works), the same payloads are decoded with vLLM's own classes and the hashes recomputed with
+vLLM's own hash_block_tokens, in that interpreter; elsewhere (CI) that test is skipped and
+says so."""
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,8 @@ from tiny_models import make_hf_model, random_token_prompts
 BS = 4
 SEED = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
 ROOT = hashlib.sha256(cbor2.dumps(SEED, canonical=True)).digest()
-VLLM_PYTHON = os.environ.get("JAXBATCH_VLLM_PYTHON", "/work/.venv-vllm/bin/python")
+VLLM_PYTHON = os.environ.get("JAXBATCH_VLLM_PYTHON", str(pathlib.Path(__file__).resolve().parents[2]
+                                                         / ".venv-vllm" / "bin" / "python"))
 
 
 def digest(parent: bytes, tokens) -> bytes:
