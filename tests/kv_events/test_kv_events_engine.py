@@ -23,6 +23,7 @@ import cbor2
 import numpy as np
 import pytest
 
+from benchmarks.serve_launch import DEFAULT_VLLM_PYTHON     # the checkout's .venv-vllm
 from jaxbatch import SamplingParams
 from jaxbatch.core.scheduler import Scheduler
 from jaxbatch.engine import setup
@@ -35,8 +36,7 @@ from tiny_models import make_hf_model, random_token_prompts
 BS = 4
 SEED = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
 ROOT = hashlib.sha256(cbor2.dumps(SEED, canonical=True)).digest()
-VLLM_PYTHON = os.environ.get("JAXBATCH_VLLM_PYTHON", str(pathlib.Path(__file__).resolve().parents[2]
-                                                         / ".venv-vllm" / "bin" / "python"))
+VLLM_PYTHON = os.environ.get("JAXBATCH_VLLM_PYTHON", str(DEFAULT_VLLM_PYTHON))
 
 
 def digest(parent: bytes, tokens) -> bytes:
