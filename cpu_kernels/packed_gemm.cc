@@ -37,8 +37,6 @@
 // Rows past `rows` (an operand: the call's padding, which a fixed-shape step carries after
 // its real tokens) are not computed; their outputs are zero.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "attention_simd.h"
 #include "kv_prefetch.h"
 #include "checks.h"
@@ -347,22 +346,6 @@ struct Job : jaxbatch_pool::JobCounters {
   }
 };
 
-// AMX intrinsics came with GCC 11 and Clang 12: an older compiler (or -DJAXBATCH_NO_AMX, as a
-// test builds it) builds everything else, and the AMX handlers then refuse (JaxbatchAmxBuilt
-// says which; packed_gemm.amx_why_not asks).
-#if defined(__has_include) && !defined(JAXBATCH_NO_AMX)
-#if __has_include(<amxtileintrin.h>) || __has_include(<amxintrin.h>)
-#define JAXBATCH_HAVE_AMX 1
-#endif
-#endif
-#ifndef JAXBATCH_HAVE_AMX
-#define JAXBATCH_HAVE_AMX 0
-#endif
-
-extern "C" __attribute__((visibility("default"))) int JaxbatchAmxBuilt() {
-  return JAXBATCH_HAVE_AMX;
-}
-
 #if JAXBATCH_HAVE_AMX
 // ---- AMX: the same packed weights, met 16 rows at a time by the tile unit ------------------
 //
@@ -381,30 +364,12 @@ extern "C" __attribute__((visibility("default"))) int JaxbatchAmxBuilt() {
 //   prefill (M > 16): tmm0..3 accumulate 2 row groups by a pair of blocks, tmm4..5 the
 //     groups' rows, tmm6..7 the pair's blocks; a unit is 16 blocks (silu * up: 8 gate blocks
 //     and their up blocks), taken k chunk by k chunk (`Prefill`).
-#define JAXBATCH_AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
+using jaxbatch_amx::TileConfig;
 
 constexpr int kTileRows = 16;
 constexpr int kDecodeBlocks = 6;
 constexpr int kPrefillBlocks = 16;
 constexpr int64_t kChunkSteps = 16;   // tile steps of a prefill k chunk
-
-// Linux hands a process the tile registers' state only once asked (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA): false where it refuses (no AMX, an old kernel).
-bool AmxPermitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  bool operator==(const TileConfig& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
-};
 
 // The tile instructions take their registers as literals: these switch over them.
 #define JAXBATCH_TILE_CASES(op) \
@@ -686,7 +651,7 @@ ffi::Future PackedGemmImpl(ffi::ThreadPool pool, X x, W w, ffi::Buffer<ffi::S32,
   const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, job->p.m, job->p.k, out_blocks * 16};
   if constexpr (kAmx) {
 #if JAXBATCH_HAVE_AMX
-    if (!AmxPermitted())
+    if (!jaxbatch_amx::Permitted())
       return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
           "packed_gemm", "the AMX variant called where Linux grants no tile registers"));
     if (auto amx = AmxJobFor<AmxJob<T>>(job->p))
@@ -823,7 +788,7 @@ ffi::Future W8A8GemmImpl(ffi::ThreadPool pool, X x, ffi::Buffer<ffi::S8, 3> w,
   const jaxbatch_calls::Label label{jaxbatch_calls::kGemm, m, k, out_blocks * 16};
   if constexpr (kAmx) {
 #if JAXBATCH_HAVE_AMX
-    if (!AmxPermitted())
+    if (!jaxbatch_amx::Permitted())
       return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
           "w8a8_gemm", "the AMX variant called where Linux grants no tile registers"));
     if (auto amx = AmxJobFor<AmxW8A8Job<XT>>(job->p)) {
@@ -872,6 +837,7 @@ using Bf16Y = ffi::Buffer<ffi::BF16, 2>;
 
 }  // namespace
 
+JAXBATCH_DEFINE_AMX_BUILT
 JAXBATCH_DEFINE_PREFETCH_SETTER
 JAXBATCH_DEFINE_CALL_LOG_SETTER
 

@@ -11,6 +11,9 @@
 //   position p is seen by row r when lengths[r] - window <= p < lengths[r]); scale [1] f32.
 //   -> out [B, H, D] float32; JaxbatchPagedDecodeBf16Out: as JaxbatchPagedDecode -> out bf16,
 //   each float32 result rounded to nearest even (what the model's convert would do next).
+//   JaxbatchPagedDecodeAmx, JaxbatchPagedDecodeBf16OutAmx: the bf16 handlers with q.K and p.V
+//   on AMX tiles (decode_amx.h; pages of a multiple of 16 keys, a head dim of a multiple of
+//   32, else an error), the softmax between them the same.
 //
 // One unit of work is (row, kv head): its G = H / KVH query heads walk the row's keys in
 // order, a span of 16 at a time, with an online softmax in float32 updated every 64 keys.
@@ -47,6 +50,7 @@
 
 #include "attention_simd.h"
 #include "checks.h"
+#include "decode_amx.h"
 #include "decode_elems.h"
 #include "kv_prefetch.h"
 #include "pool_dispatch.h"
@@ -74,6 +78,7 @@ struct Problem {
   int32_t window;
   float scale;
   jaxbatch_simd::Out out;
+  bool amx = false;   // q.K and p.V on AMX tiles (decode_amx.h): bf16 pages only
   int64_t batch, heads, head_dim, kv_heads, num_pages, block_size, pages_per_item;
   std::vector<int64_t> first_item, item_count;  // per row
 };
@@ -103,26 +108,14 @@ constexpr int64_t kAhead = 6;
 // list depends on the row's own keys only, so the batch does not change a row's result.
 constexpr int kSpans = 4;
 
-// The online softmax over `ns` spans for each of the G query heads, then p.V. ahead[s]: the
-// span whose lines are requested during span s's q.K, or null.
+// The online softmax's update over `ns` spans' scores for each of the G query heads: the
+// heads' maxima, sums and accumulators rescaled, and the spans' probabilities.
 template <typename T, int kG>
-void SoftmaxSpans(const Problem<T>& p, const T* q, const Span<T>* spans, int ns, int64_t G_,
-                  int64_t width, float* m, float* l, float (*acc)[kMaxHeadDim],
-                  const Span<T>* const* ahead) {
-  using E = Elems<T>;
-  const int64_t D = p.head_dim, G = kG ? kG : G_;
+void UpdateSoftmax(const Span<T>* spans, int ns, int64_t G_, int64_t width,
+                   __m512 (*scores)[kMaxGroup], float* m, float* l, float (*acc)[kMaxHeadDim],
+                   __m512 (*probs)[kMaxGroup]) {
+  const int64_t G = kG ? kG : G_;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 probs[kSpans][kMaxGroup];
-  __m512 scores[kSpans][kMaxGroup];
-  for (int s = 0; s < ns; ++s) {
-    jaxbatch_decode::LineFeed feed;
-    if (ahead[s]) feed.Start(*ahead[s], D);
-    E::template Scores<kG>(q, spans[s], D, G, scores[s], feed);
-    feed.Rest();
-    for (int64_t h = 0; h < G; ++h)
-      scores[s][h] = _mm512_mask_blend_ps(spans[s].valid, neg_inf,
-                                          _mm512_mul_ps(scores[s][h], _mm512_set1_ps(p.scale)));
-  }
   for (int64_t h = 0; h < G; ++h) {
     __m512 block_max = neg_inf;
     for (int s = 0; s < ns; ++s) block_max = _mm512_max_ps(block_max, scores[s][h]);
@@ -142,9 +135,86 @@ void SoftmaxSpans(const Problem<T>& p, const T* q, const Span<T>* spans, int ns,
     }
     m[h] = new_m;
   }
+}
+
+// A span's scores scaled, and -inf for the keys the row does not see.
+inline __m512 Scaled(__m512 scores, float scale, __mmask16 valid) {
+  return _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                              _mm512_mul_ps(scores, _mm512_set1_ps(scale)));
+}
+
+// The online softmax over `ns` spans for each of the G query heads, then p.V. ahead[s]: the
+// span whose lines are requested during span s's q.K, or null.
+template <typename T, int kG>
+void SoftmaxSpans(const Problem<T>& p, const T* q, const Span<T>* spans, int ns, int64_t G_,
+                  int64_t width, float* m, float* l, float (*acc)[kMaxHeadDim],
+                  const Span<T>* const* ahead) {
+  using E = Elems<T>;
+  const int64_t D = p.head_dim, G = kG ? kG : G_;
+  __m512 probs[kSpans][kMaxGroup];
+  __m512 scores[kSpans][kMaxGroup];
+  for (int s = 0; s < ns; ++s) {
+    jaxbatch_decode::LineFeed feed;
+    if (ahead[s]) feed.Start(*ahead[s], D);
+    E::template Scores<kG>(q, spans[s], D, G, scores[s], feed);
+    feed.Rest();
+    for (int64_t h = 0; h < G; ++h) scores[s][h] = Scaled(scores[s][h], p.scale, spans[s].valid);
+  }
+  UpdateSoftmax<T, kG>(spans, ns, G, width, scores, m, l, acc, probs);
   for (int s = 0; s < ns; ++s)
     E::template AccumulatePV<kG>(probs[s], G, spans[s].v, D, spans[s].n, spans[s].valid, acc);
 }
+
+#if JAXBATCH_HAVE_AMX
+// The lines of the spans ahead, requested a few at a time while the values are unpacked.
+struct SpanFeed {
+  static constexpr int64_t kPerStep = 2;   // key and value line pairs a step of the unpacking
+  jaxbatch_decode::LineFeed spans[kSpans];
+  int n = 0, at = 0;
+  void Request(int64_t pairs) {
+    for (; at < n; ++at) {
+      const int64_t left = spans[at].left / 64;
+      spans[at].Request(pairs);
+      pairs -= std::min(pairs, left);
+      if (pairs == 0) return;
+    }
+  }
+  void Rest() {
+    for (int i = at; i < n; ++i) spans[i].Rest();
+  }
+};
+
+static_assert(kSpans == jaxbatch_decode_amx::kSpans, "a softmax block is the C tiles' spans");
+
+// SoftmaxSpans on AMX tiles (decode_amx.h): q.K and p.V by the tile unit, the softmax between
+// them in AVX512 as above. The spans ahead are requested a few lines at a time while this
+// block's values are unpacked (the tiles leave no other loop long enough to spread them over).
+template <int kG>
+void AmxSoftmaxSpans(const Problem<uint16_t>& p, const uint16_t* q, const Span<uint16_t>* spans,
+                     int ns, int64_t G_, int64_t width, float* m, float* l,
+                     float (*acc)[kMaxHeadDim], const Span<uint16_t>* const* ahead) {
+  const int64_t D = p.head_dim, G = kG ? kG : G_;
+  SpanFeed feed;
+  for (int s = 0; s < ns; ++s)
+    if (ahead[s]) feed.spans[feed.n++].Start(*ahead[s], D);
+  alignas(64) float tile_scores[kSpans][16][16];
+  jaxbatch_decode_amx::Scores(q, D, spans, ns, tile_scores);
+  __m512 probs[kSpans][kMaxGroup];
+  __m512 scores[kSpans][kMaxGroup];
+  for (int s = 0; s < ns; ++s)
+    for (int64_t h = 0; h < G; ++h)
+      scores[s][h] = Scaled(_mm512_load_ps(tile_scores[s][h]), p.scale, spans[s].valid);
+  UpdateSoftmax<uint16_t, kG>(spans, ns, G, width, scores, m, l, acc, probs);
+  alignas(64) uint16_t pairs[2][16][32];   // A tiles: spans 2t, 2t + 1's probabilities, bf16
+  for (int t = 0; 2 * t < ns; ++t)
+    for (int64_t h = 0; h < G; ++h) {
+      const __m512 odd = 2 * t + 1 < ns ? probs[2 * t + 1][h] : _mm512_setzero_ps();
+      _mm512_store_si512(pairs[t][h], (__m512i)_mm512_cvtne2ps_pbh(odd, probs[2 * t][h]));
+    }
+  jaxbatch_decode_amx::AccumulatePV(pairs, spans, ns, G, D, acc, feed);
+  feed.Rest();
+}
+#endif  // JAXBATCH_HAVE_AMX
 
 // Unit (row, kv head g)'s spans, in key order: its items' pages 16 keys at a time, those the
 // row sees (its length, its window).
@@ -209,6 +279,14 @@ void Unit(const Problem<T>& p, int64_t row, int64_t g, const std::vector<Span<T>
     const int ns = static_cast<int>(std::min<int64_t>(kSpans, total - i0));
     const Span<T>* ahead[kSpans];
     for (int s = 0; s < ns; ++s) ahead[s] = span_at(i0 + kAhead + s);
+#if JAXBATCH_HAVE_AMX
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (p.amx) {
+        AmxSoftmaxSpans<kG>(p, q, spans.data() + i0, ns, G, width, m, l, acc, ahead);
+        continue;
+      }
+    }
+#endif
     SoftmaxSpans<T, kG>(p, q, spans.data() + i0, ns, G, width, m, l, acc, ahead);
   }
   for (int64_t h = 0; h < G; ++h) {
@@ -239,6 +317,16 @@ struct Job : jaxbatch_pool::JobCounters {
   int64_t workers;  // the calling thread and its helpers
 
   void Work() {
+#if JAXBATCH_HAVE_AMX
+    if (p.amx) jaxbatch_decode_amx::Begin(p.heads / p.kv_heads);
+#endif
+    Units();
+#if JAXBATCH_HAVE_AMX
+    if (p.amx) jaxbatch_decode_amx::End();
+#endif
+  }
+
+  void Units() {
     std::vector<Span<T>> spans, after_spans;
     int64_t u = next.fetch_add(1, std::memory_order_relaxed);
     if (u < units) CollectSpans(p, u / p.kv_heads, u % p.kv_heads, spans);
@@ -382,7 +470,7 @@ ffi::Error Check(Problem<T>& p, const Q& q, const Pool& k, const Pool& v, const 
 }
 
 // T: the pool's element type; Q, Pool, Y: the FFI buffers of q, of the pages and of out.
-template <typename T, typename Q, typename Pool, typename Y>
+template <typename T, typename Q, typename Pool, typename Y, bool kAmx = false>
 ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector item_slot,
                            I32Matrix item_pages, I32Vector item_first_pos, I32Vector lengths,
                            I32Vector window, F32Vector scale, ffi::Result<Y> out,
@@ -413,6 +501,21 @@ ffi::Future PagedDecodeImpl(ffi::ThreadPool pool, Q q, Pool k, Pool v, I32Vector
     p.out.f32 = out->typed_data();
   else
     p.out.bf16 = reinterpret_cast<uint16_t*>(out->typed_data());
+  if constexpr (kAmx) {
+#if JAXBATCH_HAVE_AMX
+    if (!jaxbatch_amx::Permitted())
+      return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+          "paged_decode", "the AMX variant called where Linux grants no tile registers"));
+    if (!jaxbatch_decode_amx::Covers(p.block_size, p.head_dim, p.heads / p.kv_heads))
+      return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+          "paged_decode", "the AMX variant takes pages of a multiple of 16 keys and a head dim "
+          "a multiple of 32, got ", p.block_size, " and ", p.head_dim));
+    p.amx = true;
+#else
+    return jaxbatch_pool::Ready(jaxbatch_checks::Invalid(
+        "paged_decode", "the AMX variant of a library built without AMX intrinsics"));
+#endif
+  }
   PublishNextLayer(p, next_layer_blocks);
   job->units = p.batch * p.kv_heads;
   if (job->units == 0) return jaxbatch_pool::Ready();
@@ -447,6 +550,7 @@ using Bf16Array3 = ffi::Buffer<ffi::BF16, 3>;
 
 }  // namespace
 
+JAXBATCH_DEFINE_AMX_BUILT
 JAXBATCH_DEFINE_PREFETCH_SETTER
 JAXBATCH_DEFINE_CALL_LOG_SETTER
 
@@ -459,3 +563,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeBf16Out,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeF32,
                               (PagedDecodeImpl<float, F32Q, F32Pool, F32Array3>),
                               (Binding<F32Q, F32Pool, F32Array3>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeAmx,
+                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, F32Array3, true>),
+                              (Binding<Bf16Q, Bf16Pool, F32Array3>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchPagedDecodeBf16OutAmx,
+                              (PagedDecodeImpl<uint16_t, Bf16Q, Bf16Pool, Bf16Array3, true>),
+                              (Binding<Bf16Q, Bf16Pool, Bf16Array3>()));

@@ -11,8 +11,11 @@
                         GPU; else the jnp reference
     add_norm            a residual add and the RMSNorm after it: `cpu_kernels.add_rms_norm`
                         (bf16) or jnp
-    decode_attention    the xla backend's decode attention: `cpu_kernels.paged_decode` or jnp
-                        work lists (other backends bring their own kernels)
+    decode_attention    the xla backend's decode attention: `cpu_kernels.paged_decode` (its
+                        q.K and p.V on AMX tiles where the CPU has them, the pages fit them
+                        and, under cpu_gemm 'auto', the query group is large enough for them
+                        to be faster; 'amx' takes them wherever they fit) or jnp work lists
+                        (other backends bring their own kernels)
     prefill_attention   the xla backend's prefill attention: `cpu_kernels.paged_prefill` or jnp
                         query tiles; the backend lays a call out for the one it is handed
     argmax              every sampling path's first maximum: `cpu_kernels.first_argmax`
@@ -57,7 +60,8 @@ class KernelOptions:
     cpu_kernels: str = "auto"       # auto: where they run; off: never; required: or an error
     kv_prefetch: bool = True
     weight_layout: str = "auto"     # auto: per layer on CPU, stacked elsewhere
-    cpu_gemm: str = "auto"          # matmuls (bf16, w8a8): our kernels on AMX or AVX512, or XLA's
+    cpu_gemm: str = "auto"          # matmuls (bf16, w8a8) and decode attention's tiles: our
+                                    # kernels on AMX or AVX512, or XLA's
     int8_activations: bool = False  # quantization="w8a8": int8 matrices x int8 activations
 
 
@@ -75,9 +79,10 @@ class KernelChoice:
 
 
 def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions = KernelOptions(),
-           tensor_parallel: bool = False, platform: str | None = None) -> KernelChoice:
+           tensor_parallel: bool = False, platform: str | None = None,
+           block_size: int = 16) -> KernelChoice:
     """The engine's kernels. `dtype`: the activations' (the model's); `pool_dtype`: the KV
-    pages' storage dtype (`precision.kv_pool_dtype`)."""
+    pages' storage dtype (`precision.kv_pool_dtype`); `block_size`: the keys of a page."""
     if options.cpu_kernels not in CPU_KERNEL_MODES:
         raise ValueError(f"cpu_kernels={options.cpu_kernels!r}; choose one of "
                          f"{', '.join(CPU_KERNEL_MODES)}")
@@ -125,6 +130,9 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
     norm = cpu_kernel("add_norm", _norm_reason(dtype, per_layer), "add_rms_norm", "jnp")
     decode = cpu_kernel("decode_attention", paged_decode.why_not(*heads), "paged_decode",
                         "jnp work lists")
+    decode_amx = decode and _decode_tiles(options, model_cfg, pool_dtype, block_size)
+    if decode_amx:
+        reasons["decode_attention"] += " (AMX tiles)"
     prefill = cpu_kernel("prefill_attention", paged_prefill.why_not(*heads), "paged_prefill",
                          "jnp query tiles")
     argmax = cpu_kernel("argmax", first_argmax.unavailable_reason(), "first_argmax",
@@ -152,7 +160,8 @@ def choose(*, model_cfg: ModelConfig, dtype, pool_dtype, options: KernelOptions 
                         reasons=reasons),
         weight_form=form,
         decode_attention=(functools.partial(_decode_kernel, num_layers=model_cfg.num_layers,
-                                            publish=prefetch) if decode else None),
+                                            publish=prefetch, amx=decode_amx)
+                          if decode else None),
         prefill_attention=paged_prefill.paged_prefill_attention if prefill else None,
         argmax=_argmax_kernel if argmax else two_level_argmax,
         reasons=reasons)
@@ -200,6 +209,18 @@ def _amx_tiles(options: KernelOptions, why_not) -> bool:
     return reason is None
 
 
+def _decode_tiles(options: KernelOptions, model_cfg: ModelConfig, pool_dtype,
+                  block_size: int) -> bool:
+    """Whether decode attention's q.K and p.V take AMX tiles: where they run and the pages fit
+    them, under cpu_gemm 'amx', or 'auto' where the query group is large enough for them to be
+    the faster (`paged_decode.AMX_FASTER_FROM_GROUP`); never under 'packed' or 'xla'."""
+    group = model_cfg.num_heads // model_cfg.num_kv_heads
+    if options.cpu_gemm == "auto" and group < paged_decode.AMX_FASTER_FROM_GROUP:
+        return False
+    return (options.cpu_gemm in ("auto", "amx") and
+            paged_decode.amx_why_not(pool_dtype, block_size, model_cfg.head_dim) is None)
+
+
 def _check_amx_applies(options: KernelOptions, dtype, per_layer: bool, platform: str) -> None:
     """cpu_gemm='amx' is honoured or refused, never ignored: it needs a CPU, our kernels, the
     per-layer weights they take, and bf16 matrices or W8A8's int8 ones (no float32 tiles)."""
@@ -237,12 +258,13 @@ def _add_norm_kernel(x, h, weight, eps, offset=0.0):
     return tuple(add_rms_norm.add_rms_norm(x, h, weight, eps, offset))
 
 
-def _decode_kernel(q, k_pages, v_pages, *meta, scale, window, num_layers: int, publish: bool):
+def _decode_kernel(q, k_pages, v_pages, *meta, scale, window, num_layers: int, publish: bool,
+                   amx: bool):
     """The C++ decode attention, told how far the next layer's blocks lie in the folded pool
     (for its prefetch hints; 0 where no GEMM reads them: nothing published)."""
     return paged_decode.paged_decode_attention(
         q, k_pages, v_pages, *meta, scale=scale, window=window,
-        next_layer_blocks=k_pages.shape[1] // num_layers if publish else 0)
+        next_layer_blocks=k_pages.shape[1] // num_layers if publish else 0, amx=amx)
 
 
 def _argmax_kernel(x):

@@ -88,7 +88,8 @@ class ModelRunner:
         # divided evenly, so the group and head_dim the kernels see are the model's).
         self.kernels = kernel_seam.choose(model_cfg=model_cfg, dtype=dtype, pool_dtype=kv_dtype,
                                           options=kernel_options,
-                                          tensor_parallel=tensor_parallel is not None)
+                                          tensor_parallel=tensor_parallel is not None,
+                                          block_size=sched_cfg.block_size)
         kernel_seam.log_choice(self.kernels)
         params = weight_forms.prepare(stack_layers(params), self.kernels.weight_form)
         if self.tp is not None:

@@ -25,22 +25,26 @@ def test_kv_bytes_counts_keys_and_values_of_every_layer():
     assert attention_read.kv_bytes([10, 6], 3, 2, 8) == 16 * 3 * 2 * 2 * 8 * 2
 
 
-def test_attention_read_reports_both_orders_against_the_read_probe(monkeypatch, tmp_path):
+def test_attention_read_reports_both_orders_and_kernels_against_the_read_probe(monkeypatch,
+                                                                               tmp_path):
     from cpu_kernels import paged_decode
     from jaxbatch.benchmarks import roofline
     if paged_decode.unavailable_reason():
         pytest.skip(f"the CPU decode kernel: {paged_decode.unavailable_reason()}")
     monkeypatch.setattr(roofline, "read_bandwidth", lambda: 1e10)
     assert attention_read.main(["--rows", "2", "3", "--context", "32", "--layers", "2",
-                                "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                                "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
                                 "--reps", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "attention_read.json").read_text())
     assert report["read_bandwidth_bytes_s"] == 1e10
     results = report["results"]
-    assert [(r["rows"], r["order"]) for r in results] == [
-        (rows, order) for rows in (2, 3) for order in attention_read.ORDERS]
+    # the AMX variant beside AVX512 where it runs (head_dim 32 fits its tiles)
+    kernels = ["avx512"] + ["amx"] * (paged_decode.amx_why_not("uint16", 16, 32) is None)
+    assert [(r["rows"], r["order"], r["kernel"]) for r in results] == [
+        (rows, order, kernel) for rows in (2, 3) for order in attention_read.ORDERS
+        for kernel in kernels]
     for r in results:
-        per_token = 2 * 2 * 2 * 16 * 2            # layers, K and V, kv heads, head_dim, bf16
+        per_token = 2 * 2 * 2 * 32 * 2            # layers, K and V, kv heads, head_dim, bf16
         assert r["rows"] * 17 * per_token <= r["kv_mb"] * 1e6 <= r["rows"] * 32 * per_token
         assert r["ms"] > 0
         assert r["gb_s"] == pytest.approx(r["kv_mb"] / r["ms"])

@@ -14,6 +14,9 @@ VARIANTS = {
     "llama_linear_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
         "rope_type": "linear", "factor": 4.0})),
     "qwen2_qkv_bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    # head_dim 32 (the others' is 16) in a group of 8: decode attention's AMX variant
+    "llama_gqa8_head_dim_32": ("LlamaConfig", dict(hidden_size=256, num_attention_heads=8,
+                                                   num_key_value_heads=1)),
 }
 
 

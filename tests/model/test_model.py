@@ -112,6 +112,9 @@ def test_tiny_variants_cover_what_they_claim():
     assert cfgs["qwen2_qkv_bias"].qkv_bias and not cfgs["qwen2_qkv_bias"].o_bias
     assert cfgs["llama_gqa4_bias"].o_bias and cfgs["llama_gqa4_bias"].num_heads == 4 * cfgs["llama_gqa4_bias"].num_kv_heads
     assert dict(cfgs["llama3_rope_scaling"].rope_scaling)["rope_type"] == "llama3"
+    gqa8 = cfgs["llama_gqa8_head_dim_32"]
+    assert gqa8.head_dim == 32 and gqa8.num_heads == 8 * gqa8.num_kv_heads
+    assert cfgs["llama_tied_mha"].head_dim == 16
 
 
 # ---- loading -------------------------------------------------------------------------------

@@ -286,7 +286,7 @@ def test_a_compiler_without_amx_still_builds_every_other_kernel(monkeypatch):
     """An older compiler (no AMX intrinsics) loses the AMX variants only: they refuse, the
     AVX512 handlers are all there, and the seam is told why (built here with -DJAXBATCH_NO_AMX,
     which takes the same path)."""
-    from cpu_kernels import availability, build, packed_gemm, w8a8_gemm
+    from cpu_kernels import availability, build, packed_gemm, paged_decode, w8a8_gemm
     if packed_gemm.unavailable_reason() is not None:
         pytest.skip(packed_gemm.unavailable_reason())
     _, lib = build.load_library(packed_gemm.SOURCE,
@@ -295,6 +295,12 @@ def test_a_compiler_without_amx_still_builds_every_other_kernel(monkeypatch):
     for symbol in ("JaxbatchPackedGemm", "JaxbatchPackedGemmSiluMul", "JaxbatchW8A8Gemm",
                    "JaxbatchPackedGemmAmx", "JaxbatchW8A8GemmAmx"):
         assert hasattr(lib, symbol)
+    _, lib = build.load_library(paged_decode.SOURCE,
+                                availability.build_flags() + ("-DJAXBATCH_NO_AMX",))
+    assert lib.JaxbatchAmxBuilt() == 0
+    for symbol in ("JaxbatchPagedDecode", "JaxbatchPagedDecodeBf16Out", "JaxbatchPagedDecodeAmx"):
+        assert hasattr(lib, symbol)
     monkeypatch.setattr(availability, "amx_unavailable_reason", lambda: None)
     monkeypatch.setattr(availability, "built_with_amx", lambda source: False)
     assert packed_gemm.amx_why_not() == w8a8_gemm.amx_why_not() == availability.NO_AMX_COMPILER
+    assert paged_decode.amx_why_not() == availability.NO_AMX_COMPILER
