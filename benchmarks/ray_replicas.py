@@ -85,10 +85,18 @@ def replica_counters(base: str) -> dict[str, dict[str, float]]:
 
 def counters_after(base: str, served: int, timeout: float = 60.0):
     """The counters once every replica has pushed the `served` requests' results (replicas
-    push their metrics every second)."""
+    push their metrics every second). A connection the proxy drops is asked again (once, in
+    a suite run beside other tests, it reset one), until the same deadline."""
+    import httpx
     deadline = time.monotonic() + timeout
     while True:
-        now = replica_counters(base)
+        try:
+            now = replica_counters(base)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         done = sum(c["vllm:request_success_total"] for c in now.values())
         if done >= served:
             return now

@@ -12,7 +12,7 @@
 // dims in the AVX512 path's lane order, so both paths keep their sums in the same accumulator
 // layout (Elems<uint16_t>::AccIndex).
 //
-// Tiles: tmm0, 1 hold q's dims (q.K) or the two spans pairs' probabilities (p.V); tmm2, 3 the
+// Tiles: tmm0, 1 hold q's dims (q.K) or two span pairs' probabilities (p.V); tmm2, 3 the
 // B tile being read, alternating; tmm4..7 the sums: up to 4 spans' scores, or 4 B tiles'
 // (64 dims') share of p.V. Each call's sums start from zero, so a row's result depends on its
 // own keys only, in a fixed order, whatever the batch.

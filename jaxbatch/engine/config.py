@@ -168,7 +168,10 @@ class RuntimeOptions:
     cpu_gemm: str = option("auto", "a bf16 or w8a8 model's matmuls on a CPU: our kernels over "
                            "packed weights on amx (AMX tiles; an error where they cannot run "
                            "or apply) or packed (AVX512-BF16 / VNNI), xla (XLA's dots), or "
-                           "auto: amx where the CPU has AMX, else packed", CPU_GEMMS)
+                           "auto: amx where the CPU has AMX, else packed; decode attention's "
+                           "q.K and p.V take AMX tiles under amx where its pages fit them, "
+                           "under auto where a kv head also has 8 or more query heads",
+                           CPU_GEMMS)
     weight_layout: str = option("auto", "layer matrices kept apart per layer (auto on a CPU: "
                                 "each matmul reads its weight in place) or stacked [L, in, out] "
                                 "(auto elsewhere)", WEIGHT_LAYOUTS)

@@ -304,3 +304,22 @@ def test_an_unknown_request_router_is_refused_before_anything_deploys():
     from jaxbatch.entrypoints.ray_cluster.deploy import build_application
     with pytest.raises(ValueError, match="power_of_two_choices"):
         build_application([], request_router="least_loaded")
+
+
+def test_the_counters_poll_asks_again_when_the_proxy_drops_a_connection(monkeypatch):
+    """A reset /metrics connection (seen once under the suite's load) is asked again until the
+    poll's deadline; past it, the error is raised, not swallowed."""
+    from benchmarks import ray_replicas
+    answers = [httpx.ReadError("reset"), {"r1": {"vllm:request_success_total": 4.0}}]
+
+    def counters(base):
+        answer = answers.pop(0) if answers else httpx.ReadError("reset")
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray_replicas, "replica_counters", counters)
+    monkeypatch.setattr(ray_replicas.time, "sleep", lambda s: None)
+    assert ray_replicas.counters_after("http://x", 4)["r1"]["vllm:request_success_total"] == 4
+    with pytest.raises(httpx.ReadError):
+        ray_replicas.counters_after("http://x", 4, timeout=0.01)
