@@ -107,6 +107,20 @@ def built_with_amx(source: str) -> bool:
 NO_AMX_COMPILER = "the compiler has no AMX intrinsics (GCC 11 and Clang 12 have them)"
 
 
+def amx_variants_why_not(source: str, handlers) -> str | None:
+    """None where the AMX variants of `handlers` ((symbol, target) pairs of `source`'s AVX512
+    handlers) run here, registered; else why not: no tiles for this process, a variant that
+    does not register, or a library built without AMX intrinsics."""
+    reason = amx_unavailable_reason()
+    if reason:
+        return reason
+    for symbol, target in handlers:
+        reason = unavailable_reason(source, *amx_variant(symbol, target))
+        if reason:
+            return reason
+    return None if built_with_amx(source) else NO_AMX_COMPILER
+
+
 def amx_variant(symbol: str, target: str) -> tuple[str, str]:
     """The (symbol, target) of a GEMM handler's AMX variant (packed_gemm.cc)."""
     return symbol + "Amx", target + "_amx"

@@ -58,14 +58,8 @@ def unavailable_reason() -> str | None:
 
 def amx_why_not() -> str | None:
     """None where the bf16 handlers' AMX variants run here, else why not."""
-    reason = availability.amx_unavailable_reason()
-    if reason:
-        return reason
-    for symbol, target in (_HANDLERS[jnp.dtype(jnp.uint16)][:2], _BF16_OUT, _SILU_MUL):
-        reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(symbol, target))
-        if reason:
-            return reason
-    return None if availability.built_with_amx(SOURCE) else availability.NO_AMX_COMPILER
+    return availability.amx_variants_why_not(
+        SOURCE, (_HANDLERS[jnp.dtype(jnp.uint16)][:2], _BF16_OUT, _SILU_MUL))
 
 
 def _variant(symbol: str, target: str, amx: bool) -> tuple[str, str]:

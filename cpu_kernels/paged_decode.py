@@ -67,14 +67,7 @@ def amx_why_not(pool_dtype=jnp.uint16, block_size=AMX_KEYS, head_dim=AMX_DIMS) -
     if block_size % AMX_KEYS or head_dim % AMX_DIMS:
         return (f"pages of {block_size} keys and a head dim of {head_dim} (the tiles take "
                 f"multiples of {AMX_KEYS} and {AMX_DIMS})")
-    reason = availability.amx_unavailable_reason()
-    if reason:
-        return reason
-    for handler in _AMX_HANDLERS:
-        reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(*handler))
-        if reason:
-            return reason
-    return None if availability.built_with_amx(SOURCE) else availability.NO_AMX_COMPILER
+    return availability.amx_variants_why_not(SOURCE, _AMX_HANDLERS)
 
 
 def _uncovered(pool_dtype, num_heads, num_kv_heads, head_dim, soft_cap) -> str | None:

@@ -53,14 +53,7 @@ def unavailable_reason() -> str | None:
 
 def amx_why_not() -> str | None:
     """None where the AMX variants run here, else why not."""
-    reason = availability.amx_unavailable_reason()
-    if reason:
-        return reason
-    for handler in (_F32, _BF16, _SILU_MUL):
-        reason = availability.unavailable_reason(SOURCE, *availability.amx_variant(*handler))
-        if reason:
-            return reason
-    return None if availability.built_with_amx(SOURCE) else availability.NO_AMX_COMPILER
+    return availability.amx_variants_why_not(SOURCE, (_F32, _BF16, _SILU_MUL))
 
 
 def why_not(k: int, n: int) -> str | None:

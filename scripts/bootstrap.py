@@ -39,6 +39,9 @@ JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
                 # the CPU decode kernel, built against this jaxlib's FFI headers
                 "tests/worker/test_cpu_paged_decode.py::test_kernel_matches_its_reference",
                 "tests/worker/test_cpu_paged_decode.py::test_a_row_alone_equals_the_row_in_a_batch",
+                "tests/worker/test_cpu_amx_decode.py::"
+                "test_matches_the_reference_and_the_avx512_kernel",
+                "tests/worker/test_cpu_amx_decode.py::test_a_row_alone_equals_the_row_in_a_batch",
                 "tests/worker/test_cpu_packed_gemm.py::test_kernel_matches_its_reference",
                 "tests/worker/test_cpu_packed_gemm.py::test_a_row_alone_equals_the_row_in_a_batch",
                 "tests/worker/test_cpu_packed_gemm.py::"
