@@ -1,11 +1,13 @@
 """Where the device time of the mixed chat workload goes, executable by executable.
 
-    python -m benchmarks profile [--num-requests 48] [--max-num-seqs 16] [--prefix-caching]
-                           [--dtype float32] [--no-unified-step] [--block-size 16]
+    python -m benchmarks profile [--model DIR] [--num-requests 48] [--max-num-seqs 16]
+                           [--prefix-caching] [--dtype float32] [--quantization w8a8]
+                           [--no-unified-step] [--block-size 16]
 
 The serve benchmark's workload (bundled prompts, chat template, output lengths lognormal(32, 1) in
-[8, 256]) through `LLM.chat`, greedy, float32, after an untimed pass over the first
-max-num-seqs requests. Host/device overlap is off and every executable is waited for, so each
+[8, 256]) through `LLM.chat` on the embedded model or `--model` (a checkpoint directory, e.g.
+`random-checkpoint`'s), greedy, in `--dtype` (float32 unless told), after an untimed pass over
+the first max-num-seqs requests. Host/device overlap is off and every executable is waited for, so each
 call's wall time is its device time (observer.ExecutableTimer on the runner's hook) (the run is slower than a normal one by the host's share;
 what it is for is the split). Prints calls and seconds per kind (decode, prefill, sample, ...)
 and per key, and the prefill tokens computed against the prompt tokens (bucket padding).
@@ -29,6 +31,9 @@ from jaxbatch.benchmarks.workloads import make_workload
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
+    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+                    help="the engine option")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--prefix-caching", action="store_true")
@@ -41,10 +46,10 @@ def main(argv=None) -> dict:
     from jaxbatch import LLM, SamplingParams
 
     workload = make_workload(args.num_requests)
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_model_len=2048, dtype=args.dtype,
-              async_scheduling=False, enable_prefix_caching=args.prefix_caching,
-              prefix_cache_granularity="block", unified_step=args.unified_step,
-              block_size=args.block_size)
+    llm = LLM(args.model, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+              max_model_len=2048, dtype=args.dtype, async_scheduling=False,
+              enable_prefix_caching=args.prefix_caching, prefix_cache_granularity="block",
+              unified_step=args.unified_step, block_size=args.block_size)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
               for r in workload]
     chats = [[{"role": "user", "content": r.text}] for r in workload]

@@ -187,6 +187,29 @@ def test_profile_floor_counts_every_token_once_through_the_matrices(monkeypatch)
     assert floor["seconds"] == pytest.approx(flops / 1e9)
 
 
+def test_profile_builds_the_engine_on_the_model_and_quantization_asked(monkeypatch):
+    """`--model` and `--quantization` reach the engine (a checkpoint's W8A8 run is profiled as
+    such, not the embedded bf16 model under its name)."""
+    import jaxbatch
+    from benchmarks import profile
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def fake_llm(model=None, **kwargs):
+        built.update(kwargs, model=model)
+        raise Built
+
+    monkeypatch.setattr(jaxbatch, "LLM", fake_llm)
+    with pytest.raises(Built):
+        profile.main(["--model", "ckpt/dir", "--quantization", "w8a8", "--dtype", "bfloat16"])
+    assert built["model"] == "ckpt/dir" and built["quantization"] == "w8a8"
+    assert built["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        profile.main(["--quantization", "fp4"])
+
+
 def test_step_keys_names_the_public_runner_hooks_it_needs(monkeypatch):
     """The instrument runs executables on the runner's argument layout; without a public form
     of it, it says which hooks it needs, before any model loads (no private call instead)."""
