@@ -369,7 +369,11 @@ using jaxbatch_amx::TileConfig;
 constexpr int kTileRows = 16;
 constexpr int kDecodeBlocks = 6;
 constexpr int kPrefillBlocks = 16;
-constexpr int64_t kChunkSteps = 16;   // tile steps of a prefill k chunk
+// Tile steps of a prefill k chunk: bf16 16 (512 k values); int8 32 (2048 k values: a K of
+// 2048, the common one, then keeps its sums in the tiles from first k to last, never taking
+// them out to `acc` and back).
+template <typename T>
+constexpr int64_t kChunkSteps = sizeof(T) == 1 ? 32 : 16;
 
 // The tile instructions take their registers as literals: these switch over them.
 #define JAXBATCH_TILE_CASES(op) \
@@ -514,8 +518,8 @@ struct AmxJob : jaxbatch_pool::JobCounters {
     acc_buffer.resize(p.m * ldc + 64);
     char* acc = acc_buffer.data() + (64 - reinterpret_cast<uintptr_t>(acc_buffer.data()) % 64) % 64;
     const int64_t steps = tile_steps();
-    for (int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
-      const int64_t k1 = std::min(steps, k0 + kChunkSteps);
+    for (int64_t k0 = 0; k0 < steps; k0 += kChunkSteps<T>) {
+      const int64_t k1 = std::min(steps, k0 + kChunkSteps<T>);
       for (int64_t pair = 0; pair < nb; pair += 2) {
         const bool two = pair + 1 < nb;
         for (int64_t r0 = 0; r0 < p.m; r0 += 2 * kTileRows) {
