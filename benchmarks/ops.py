@@ -34,6 +34,7 @@ import numpy as np
 from benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.random_models import add_model_arguments, load_bench_model
 from jaxbatch.benchmarks.report import table, write_report
+from jaxbatch.engine.config import QUANTIZATION_METHODS
 from jaxbatch.worker.executable_keys import MODEL_CALLS     # the runner's model-call kinds
 
 # "%name = shape fusion(" or "%name = shape op(" in an HLO text
@@ -161,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, default=256, help="0: no prefill")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"))
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     add_model_arguments(ap)
     ap.add_argument("--out", default="bench_out/ops")
     args = ap.parse_args(argv)

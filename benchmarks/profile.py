@@ -7,9 +7,9 @@
 The serve benchmark's workload (bundled prompts, chat template, output lengths lognormal(32, 1) in
 [8, 256]) through `LLM.chat` on the embedded model or `--model` (a checkpoint directory, e.g.
 `random-checkpoint`'s), greedy, in `--dtype` (float32 unless told), after an untimed pass over
-the first max-num-seqs requests. Host/device overlap is off and every executable is waited for, so each
-call's wall time is its device time (observer.ExecutableTimer on the runner's hook) (the run is slower than a normal one by the host's share;
-what it is for is the split). Prints calls and seconds per kind (decode, prefill, sample, ...)
+the first max-num-seqs requests. Host/device overlap is off and every executable is waited for,
+so each call's wall time is its device time (observer.ExecutableTimer on the runner's hook; the
+run is slower than a normal one by the host's share: what it is for is the split). Prints calls and seconds per kind (decode, prefill, sample, ...)
 and per key, and the prefill tokens computed against the prompt tokens (bucket padding).
 
 Last, the workload's compute floor: its FLOPs (every prompt and output token through the layer
@@ -27,12 +27,13 @@ from pathlib import Path
 from benchmarks.observer import ExecutableTimer, observe
 from jaxbatch.benchmarks.report import table
 from jaxbatch.benchmarks.workloads import make_workload
+from jaxbatch.engine.config import QUANTIZATION_METHODS
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
-    ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                     help="the engine option")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -61,6 +61,11 @@ JAX011_TESTS = ("tests/worker/test_kernels.py", "tests/worker/test_lowering.py",
                 "test_pallas_kernel_in_interpret_mode_equals_the_reference",
                 "tests/worker/test_cpu_packed_gemm.py::"
                 "test_rows_past_the_count_are_zeros_and_the_others_as_computed_whole",
+                "tests/worker/test_cpu_amx_gemm.py::"
+                "test_bf16_matches_the_reference_within_float32_rounding",
+                "tests/worker/test_cpu_amx_gemm.py::test_int8_equals_the_vnni_kernel_bit_for_bit",
+                "tests/worker/test_cpu_amx_gemm.py::"
+                "test_a_row_alone_equals_the_row_in_decode_and_prefill_calls",
                 # gpu_check.sh's dry run on the GPU machine's jax (its failure paths are plain
                 # Python and run in the main leg)
                 "tests/benchmarks/test_gpu_check.py::test_dry_run_passes_every_section_and_prints_the_table_last")
